@@ -1,0 +1,74 @@
+# Helpers shared by every folder's CMakeLists.txt.
+#
+# shardkit_library(NAME SOURCES ... DEPS ...) defines the target shardkit_NAME (alias shardkit::NAME),
+# compiled with the project's warnings, whose public include root is the source tree (in-tree) or
+# include/shardkit (installed), so `#include "common/tensor/tensor.h"` works in both.
+set(SHARDKIT_LIBRARY_TARGETS "" CACHE INTERNAL "")
+
+function(shardkit_warnings target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>
+    $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter>)
+  if(SHARDKIT_WARNINGS_AS_ERRORS)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>
+                                             $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings -Xcompiler=-Werror>)
+  endif()
+  if(SHARDKIT_NATIVE)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
+  endif()
+  # Note [no-math-errno]: without it gcc will not vectorise loops that call sqrtf (DESIGN.md section 9).
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fno-math-errno>)
+endfunction()
+
+function(shardkit_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target shardkit_${name})
+  add_library(${target} STATIC ${ARG_SOURCES})
+  add_library(shardkit::${name} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name})
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+    $<INSTALL_INTERFACE:include/shardkit>)
+  target_link_libraries(${target} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  target_compile_features(${target} PUBLIC cxx_std_20)
+  shardkit_warnings(${target})
+  install(TARGETS ${target} EXPORT shardkitTargets ARCHIVE DESTINATION lib)
+  file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
+  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/ DESTINATION include/shardkit/${rel}
+    FILES_MATCHING PATTERN "*.h")
+  set(SHARDKIT_LIBRARY_TARGETS ${SHARDKIT_LIBRARY_TARGETS} ${target} CACHE INTERNAL "")
+endfunction()
+
+# shardkit_cuda_sources(TARGET SOURCES ...) adds .cu files to TARGET (only call it when SHARDKIT_WITH_CUDA)
+# and defines SHARDKIT_HAS_CUDA for TARGET and its users.
+function(shardkit_cuda_sources target)
+  cmake_parse_arguments(ARG "" "" "SOURCES" ${ARGN})
+  target_sources(${target} PRIVATE ${ARG_SOURCES})
+  target_link_libraries(${target} PUBLIC CUDA::cudart)
+  target_compile_definitions(${target} PUBLIC SHARDKIT_HAS_CUDA=1)
+endfunction()
+
+# shardkit_test(NAME SOURCES ... DEPS ... [LABELS ...]) builds a gtest binary and registers its tests.
+# Tests labelled "long" are left out of the default ctest run (see README).
+function(shardkit_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  target_compile_features(${name} PRIVATE cxx_std_20)
+  shardkit_warnings(${name})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  set(labels unit ${ARG_LABELS})
+  gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60
+    PROPERTIES LABELS "${labels}" TIMEOUT ${ARG_TIMEOUT})
+endfunction()
+
+# shardkit_bench(NAME SOURCES ... DEPS ...) builds a Google Benchmark binary in build/bench/.
+function(shardkit_bench name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} benchmark::benchmark)
+  target_compile_features(${name} PRIVATE cxx_std_20)
+  shardkit_warnings(${name})
+endfunction()

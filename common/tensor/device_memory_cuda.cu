@@ -1,0 +1,31 @@
+#include <cuda_runtime.h>
+
+#include "common/base/check.h"
+#include "common/tensor/device_memory.h"
+
+namespace shardkit::detail {
+
+void* cuda_allocate(Device device, std::size_t nbytes) {
+  SK_CHECK(device.is_cuda());
+  cudaError_t err = cudaSetDevice(device.index);
+  SK_CHECK(err == cudaSuccess) << "cudaSetDevice(" << device.index << "): " << cudaGetErrorString(err);
+  void* p = nullptr;
+  err = cudaMalloc(&p, nbytes);
+  SK_CHECK(err == cudaSuccess) << "cudaMalloc(" << nbytes << " bytes on " << device.str()
+                               << "): " << cudaGetErrorString(err);
+  return p;
+}
+
+void cuda_free(Device device, void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  cudaSetDevice(device.index);
+  cudaFree(ptr);
+}
+
+int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+}  // namespace shardkit::detail

@@ -1,0 +1,57 @@
+// The per-rank context: everything that would be process-global in a one-rank program but must be
+// per rank because simulated ranks are threads of one process (DESIGN.md section 2).
+//
+// A thread runs "as" a rank while a RankContextScope is alive on it. Code that allocates or draws
+// random numbers asks current_rank_context(). A thread with no scope installed uses a thread-local
+// default context (rank 0 of 1), so single-threaded programs need no setup.
+//
+// Ownership: the scope does not own the context; the context must outlive every scope and every
+// Storage charged to its tracker keeps the tracker alive (shared_ptr).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "common/tensor/memory_tracker.h"
+#include "common/tensor/random.h"
+
+namespace shardkit {
+
+struct RankContext {
+  int rank = 0;
+  int world_size = 1;
+  std::shared_ptr<MemoryTracker> memory = std::make_shared<MemoryTracker>();
+  Generator generator;
+};
+
+// The context the calling thread runs as.
+RankContext& current_rank_context();
+
+// Installs `ctx` as the calling thread's context until destruction (nests; restores the previous one).
+class RankContextScope {
+ public:
+  explicit RankContextScope(RankContext& ctx);
+  ~RankContextScope();
+  RankContextScope(const RankContextScope&) = delete;
+  RankContextScope& operator=(const RankContextScope&) = delete;
+
+ private:
+  RankContext* previous_;
+};
+
+// The category that new allocations on this thread are charged to (default: other).
+MemoryCategory current_memory_category();
+
+// Sets the calling thread's allocation category until destruction (nests).
+class MemoryCategoryScope {
+ public:
+  explicit MemoryCategoryScope(MemoryCategory category);
+  ~MemoryCategoryScope();
+  MemoryCategoryScope(const MemoryCategoryScope&) = delete;
+  MemoryCategoryScope& operator=(const MemoryCategoryScope&) = delete;
+
+ private:
+  MemoryCategory previous_;
+};
+
+}  // namespace shardkit

@@ -1,0 +1,15 @@
+// Uses an installed shardkit: allocates a parameter on this rank's ledger and prints the figure.
+#include <cstdio>
+
+#include "common/tensor/rank_context.h"
+#include "common/tensor/tensor.h"
+
+int main() {
+  shardkit::RankContext ctx;
+  shardkit::RankContextScope scope(ctx);
+  shardkit::Tensor w = shardkit::Tensor::zeros(
+      {256, 256}, shardkit::TensorOptions{}.with_category(shardkit::MemoryCategory::parameter));
+  const auto bytes = ctx.memory->current(shardkit::MemoryCategory::parameter);
+  std::printf("shardkit consumer: parameter bytes on this rank = %lld\n", static_cast<long long>(bytes));
+  return bytes == 256 * 256 * 4 ? 0 : 1;
+}
