@@ -8,7 +8,7 @@ namespace shardkit::detail {
 void* cuda_allocate(Device device, std::size_t nbytes) {
   SK_CHECK(device.is_cuda());
   cudaError_t err = cudaSetDevice(device.index);
-  SK_CHECK(err == cudaSuccess) << "cudaSetDevice(" << device.index << "): " << cudaGetErrorString(err);
+  SK_CHECK(err == cudaSuccess) << "cannot use " << device.str() << ": cudaSetDevice: " << cudaGetErrorString(err);
   void* p = nullptr;
   err = cudaMalloc(&p, nbytes);
   SK_CHECK(err == cudaSuccess) << "cudaMalloc(" << nbytes << " bytes on " << device.str()
