@@ -1,0 +1,206 @@
+#include "common/autograd/engine.h"
+
+#include <deque>
+#include <queue>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/autograd/autograd_meta.h"
+#include "common/autograd/grad_accumulation.h"
+#include "common/autograd/grad_mode.h"
+
+namespace shardkit::autograd {
+namespace {
+
+// Note [execution order]
+// The engine first counts, for every node reachable from the roots, how many edges point at it
+// (its dependencies). A node is ready once all of them delivered their gradient. Among ready nodes it
+// runs AccumulateGrad nodes first, then the highest sequence number (the most recently created node).
+// Because a parameter's AccumulateGrad becomes ready right after the last node that uses it ran, and
+// nodes run latest-created first, parameters become "gradient ready" in reverse forward order, and a
+// parameter used twice (tied embeddings) is accumulated once, after its last contribution. This is
+// PyTorch's CPU engine order too, and what ShardedDDP's bucketing in ready order relies on.
+struct ReadyItem {
+  bool accumulate;
+  std::uint64_t sequence_nr;
+  Node* node;
+};
+struct ReadyOrder {
+  bool operator()(const ReadyItem& a, const ReadyItem& b) const {
+    if (a.accumulate != b.accumulate) return !a.accumulate;  // accumulate nodes on top
+    return a.sequence_nr < b.sequence_nr;                    // then the newest node
+  }
+};
+
+struct GraphTask {
+  std::deque<std::function<void()>> callbacks;
+};
+
+// The backward running on this thread (rank), if any; nested backwards (from a hook) stack.
+thread_local GraphTask* tl_task = nullptr;
+
+class TaskScope {
+ public:
+  explicit TaskScope(GraphTask* task) : previous_(tl_task) { tl_task = task; }
+  ~TaskScope() { tl_task = previous_; }
+  TaskScope(const TaskScope&) = delete;
+  TaskScope& operator=(const TaskScope&) = delete;
+
+ private:
+  GraphTask* previous_;
+};
+
+std::string FreedGraphMessage(const Node& n) {
+  return absl::StrCat("backward: trying to run node ", n.name(), " (sequence ", n.sequence_nr(),
+                      ") whose saved tensors were already freed by an earlier backward; pass "
+                      "BackwardOptions{.retain_graph = true} to the earlier backward to run backward twice "
+                      "through the same graph");
+}
+
+}  // namespace
+
+bool is_backward_running() { return tl_task != nullptr; }
+
+void queue_callback(std::function<void()> fn) {
+  if (tl_task == nullptr) {
+    throw AutogradError("queue_callback: expected to be called while a backward runs on this thread, found none");
+  }
+  tl_task->callbacks.push_back(std::move(fn));
+}
+
+void backward(const Tensor& root, const Tensor& grad, const BackwardOptions& options) {
+  backward(TensorList{root}, TensorList{grad}, options);
+}
+
+void backward(const TensorList& roots, const TensorList& grads, const BackwardOptions& options) {
+  if (roots.size() != grads.size()) {
+    throw AutogradError(absl::StrCat("backward: expected one gradient per root (", roots.size(), " roots), found ",
+                                     grads.size()));
+  }
+  std::vector<Edge> root_edges;
+  TensorList root_grads;
+  for (std::size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    if (!r.defined() || !r.requires_grad()) {
+      throw AutogradError(absl::StrCat("backward: expected a root that requires grad, found ",
+                                       r.defined() ? r.describe() : std::string("an undefined tensor"),
+                                       " that does not (was it computed under NoGradGuard, or from tensors "
+                                       "without requires_grad?)"));
+    }
+    Tensor g = grads[i];
+    if (!g.defined()) {
+      if (r.numel() != 1) {
+        throw AutogradError(absl::StrCat("backward: expected a one-element root when no gradient is given, found ",
+                                         r.describe(), "; pass the gradient w.r.t. the root"));
+      }
+      g = detail::new_activation(r.shape(), r.dtype());
+      g.fill_(1.0);
+    } else if (g.shape() != r.shape()) {
+      throw AutogradError(absl::StrCat("backward: expected a gradient of shape ", shape_str(r.shape()),
+                                       " for the root, found ", g.describe()));
+    }
+    root_edges.push_back(gradient_edge(r));
+    root_grads.push_back(std::move(g));
+  }
+
+  GraphTask task;
+  TaskScope task_scope(&task);
+  NoGradGuard no_grad;
+
+  // Dependencies: number of edges into each reachable node.
+  absl::flat_hash_map<Node*, int> deps;
+  absl::flat_hash_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (const Edge& e : root_edges) {
+    if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next_edges()) {
+      if (!e.valid()) continue;
+      ++deps[e.node.get()];
+      if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
+    }
+  }
+
+  absl::flat_hash_map<Node*, TensorList> buffers;
+  std::priority_queue<ReadyItem, std::vector<ReadyItem>, ReadyOrder> ready;
+  absl::flat_hash_set<Node*> queued_roots;
+  for (std::size_t i = 0; i < root_edges.size(); ++i) {
+    Node* n = root_edges[i].node.get();
+    TensorList& buf = buffers[n];
+    if (buf.empty()) buf.resize(static_cast<std::size_t>(n->num_outputs()));
+    Tensor& slot = buf[static_cast<std::size_t>(root_edges[i].input_nr)];
+    slot = detail::sum_gradients(std::move(slot), std::move(root_grads[i]));
+  }
+  for (const Edge& e : root_edges) {
+    Node* n = e.node.get();
+    if (!deps.contains(n) && queued_roots.insert(n).second) {
+      ready.push({n->is_accumulate_grad(), n->sequence_nr(), n});
+    }
+  }
+
+  while (!ready.empty()) {
+    Node* n = ready.top().node;
+    ready.pop();
+    if (n->released()) throw AutogradError(FreedGraphMessage(*n));
+    TensorList in;
+    if (auto it = buffers.find(n); it != buffers.end()) {
+      in = std::move(it->second);
+      buffers.erase(it);
+    }
+    in.resize(static_cast<std::size_t>(n->num_outputs()));
+    bool any_defined = false;
+    for (int i = 0; i < n->num_outputs(); ++i) {
+      Tensor& g = in[static_cast<std::size_t>(i)];
+      if (g.defined() && n->output_hooks(i)) g = detail::run_tensor_hooks(*n->output_hooks(i), std::move(g), n->output_shape(i));
+      any_defined = any_defined || g.defined();
+    }
+    TensorList out;
+    if (any_defined) {
+      for (int i = 0; i < n->num_outputs(); ++i) {
+        Tensor& g = in[static_cast<std::size_t>(i)];
+        if (!g.defined()) g = detail::zeros_activation(n->output_shape(i), n->output_dtype(i));
+      }
+      out = n->apply(std::move(in));
+      SK_CHECK(out.empty() || out.size() == n->next_edges().size())
+          << n->name() << " returned " << out.size() << " gradients for " << n->next_edges().size() << " inputs";
+    }
+    if (!options.retain_graph) n->release();
+    const auto& edges = n->next_edges();
+    for (std::size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.valid()) continue;
+      Node* next = e.node.get();
+      if (i < out.size() && out[i].defined()) {
+        TensorList& buf = buffers[next];
+        if (buf.empty()) buf.resize(static_cast<std::size_t>(next->num_outputs()));
+        Tensor& slot = buf[static_cast<std::size_t>(e.input_nr)];
+        slot = detail::sum_gradients(std::move(slot), std::move(out[i]));
+      }
+      if (--deps[next] == 0) ready.push({next->is_accumulate_grad(), next->sequence_nr(), next});
+    }
+  }
+
+  // Final callbacks: after every node and hook; callbacks may queue more.
+  while (!task.callbacks.empty()) {
+    std::function<void()> cb = std::move(task.callbacks.front());
+    task.callbacks.pop_front();
+    cb();
+  }
+}
+
+absl::Status try_backward(const Tensor& root, const Tensor& grad, const BackwardOptions& options) {
+  try {
+    backward(root, grad, options);
+  } catch (const AutogradError& e) {
+    return absl::FailedPreconditionError(e.what());
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("backward failed: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardkit::autograd

@@ -1,0 +1,59 @@
+// Internal helpers for writing differentiable ops (not part of the public API).
+//
+// An op computes its result with plain kernels, then, when should_record(inputs), records a
+// LambdaBackward node whose function maps the output gradients to the input gradients. The lambda
+// captures what backward needs: input handles as they are, the op's own outputs only as detach()
+// aliases (Note in node.h: no cycles). Dropping the lambda on release() frees the saved activations.
+#pragma once
+
+#include <functional>
+#include <initializer_list>
+#include <string>
+
+#include "common/autograd/autograd_meta.h"
+#include "common/autograd/grad_accumulation.h"
+
+namespace shardkit::autograd::detail {
+
+class LambdaBackward final : public Node {
+ public:
+  using Fn = std::function<TensorList(TensorList&& grads)>;
+  LambdaBackward(const char* name, Fn fn) : name_(name), fn_(std::move(fn)) {}
+  std::string name() const override { return name_; }
+  TensorList apply(TensorList&& grads) override { return fn_(std::move(grads)); }
+
+ protected:
+  void release_saved() override { fn_ = nullptr; }
+
+ private:
+  const char* name_;
+  Fn fn_;
+};
+
+// Records the backward `fn` of an op: edges to `inputs` (nullptr = no gradient slot), and the op's
+// `outputs` get it as grad_fn (in order). Call only when should_record(inputs).
+inline void record(const char* name, std::initializer_list<const Tensor*> inputs,
+                   std::initializer_list<const Tensor*> outputs, LambdaBackward::Fn fn) {
+  auto node = std::make_shared<LambdaBackward>(name, std::move(fn));
+  node->set_next_edges(collect_next_edges(inputs));
+  for (const Tensor* o : outputs) set_history(*o, node);
+}
+
+inline void record(const char* name, const TensorList& inputs, const TensorList& outputs, LambdaBackward::Fn fn) {
+  auto node = std::make_shared<LambdaBackward>(name, std::move(fn));
+  node->set_next_edges(collect_next_edges(inputs));
+  for (const Tensor& o : outputs) set_history(o, node);
+}
+
+// True when `t` is defined and requires grad (its gradient is worth computing).
+inline bool needs_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
+
+// Ops compute in fp32 on the CPU; anything else is a caller bug reported with the op's name.
+inline void check_f32_cpu(const char* op, const Tensor& t) {
+  SK_CHECK(t.defined()) << op << ": undefined input";
+  SK_CHECK(t.dtype() == DType::f32 && t.device().is_cpu())
+      << op << ": expected an f32 CPU tensor, found " << t.describe()
+      << " (autograd ops compute in fp32 on the CPU; cast first)";
+}
+
+}  // namespace shardkit::autograd::detail
