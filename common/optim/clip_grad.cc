@@ -1,0 +1,74 @@
+#include "common/optim/clip_grad.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "common/kernels/reduce.h"
+
+namespace shardkit::optim {
+namespace {
+
+bool IsInf(double norm_type) { return norm_type == std::numeric_limits<double>::infinity(); }
+
+void CheckNormType(double norm_type) {
+  SK_CHECK(norm_type == 2.0 || IsInf(norm_type)) << "clip_grad_norm: norm_type must be 2 or inf, found "
+                                                 << norm_type;
+}
+
+template <typename T>
+void ScaleLoop(T* __restrict g, std::int64_t n, float f) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<T, float>) g[i] *= f;
+    else if constexpr (std::is_same_v<T, bf16_t>) g[i] = f32_to_bf16(bf16_to_f32(g[i]) * f);
+    else g[i] = f32_to_f16(f16_to_f32(g[i]) * f);
+  }
+}
+
+}  // namespace
+
+double grad_norm_partial(absl::Span<const Tensor> params, double norm_type) {
+  CheckNormType(norm_type);
+  double acc = 0.0;
+  for (const Tensor& p : params) {
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (IsInf(norm_type)) acc = std::max(acc, kernels::max_abs(g));
+    else acc += kernels::sum_squares(g);
+  }
+  return acc;
+}
+
+double grad_norm_from_partial(double partial, double norm_type) {
+  CheckNormType(norm_type);
+  return IsInf(norm_type) ? partial : std::sqrt(partial);
+}
+
+double clip_coefficient(double total_norm, double max_norm) {
+  const double c = max_norm / (total_norm + 1e-6);
+  return c > 1.0 ? 1.0 : c;  // keeps NaN (std::min would not)
+}
+
+void scale_grads(absl::Span<const Tensor> params, double factor) {
+  const auto f = static_cast<float>(factor);
+  for (const Tensor& p : params) {
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    SK_CHECK(g.device().is_cpu()) << "scale_grads on " << g.describe();
+    switch (g.dtype()) {
+      case DType::f32: ScaleLoop(g.data<float>(), g.numel(), f); break;
+      case DType::bf16: ScaleLoop(g.data<bf16_t>(), g.numel(), f); break;
+      case DType::f16: ScaleLoop(g.data<f16_t>(), g.numel(), f); break;
+      case DType::i64: SK_CHECK(false) << "integer gradient " << g.describe();
+    }
+  }
+}
+
+double clip_grad_norm(absl::Span<const Tensor> params, double max_norm, double norm_type) {
+  const double total = grad_norm_from_partial(grad_norm_partial(params, norm_type), norm_type);
+  const double coef = clip_coefficient(total, max_norm);
+  if (!(coef >= 1.0)) scale_grads(params, coef);  // NaN scales too, as PyTorch
+  return total;
+}
+
+}  // namespace shardkit::optim

@@ -1,0 +1,78 @@
+// Fused single-pass optimizer kernels (CPU).
+//
+// Each kernel makes one pass over n elements: it reads the fp32 weights w (the parameter, or its fp32
+// master), the gradient g (f32, bf16 or f16, converted to fp32 in registers) and the state buffers, and
+// writes w, the state buffers and, when the parameter is bf16/f16, the parameter rounded to nearest even.
+// For fp32 AdamW that is 4 streams read and 3 written, 28 bytes per element, which is all the memory
+// traffic the algorithm needs (DESIGN.md section 9). The loops are written so gcc vectorises them with
+// -fno-math-errno (Note [no-math-errno] in cmake/ShardkitHelpers.cmake); check with -fopt-info-vec-optimized.
+//
+// Arithmetic is fp32; the coefficients are computed once per call in double (coeffs functions below) and
+// rounded to fp32. Pointers must not overlap (except as documented). Thread-safety: pure functions.
+#pragma once
+
+#include <cstdint>
+
+#include "common/optim/param_group.h"
+#include "common/tensor/dtype.h"
+
+namespace shardkit::optim::fused {
+
+// Adam / AdamW, following torch.optim.Adam / AdamW (bias-corrected, eps added after the square root):
+//   g  = sign * grad + l2 * w                  (sign = -1 when maximize; l2 = weight_decay for Adam, 0 for AdamW)
+//   w  = w * decay                             (decay = 1 - lr * weight_decay for AdamW, 1 for Adam)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   w -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)   (step_size = lr / (1 - beta1^t),
+//                                                           inv_sqrt_bc2 = 1 / sqrt(1 - beta2^t))
+struct AdamCoeffs {
+  float sign = 1.0f;
+  float l2 = 0.0f;
+  float decay = 1.0f;
+  float beta1 = 0.9f, one_minus_beta1 = 0.1f;
+  float beta2 = 0.999f, one_minus_beta2 = 0.001f;
+  float step_size = 0.0f;
+  float inv_sqrt_bc2 = 1.0f;
+  float eps = 1e-8f;
+};
+// `step` is the 1-based step count after incrementing. decoupled = AdamW.
+AdamCoeffs adam_coeffs(const HyperParams& h, std::int64_t step, bool decoupled);
+
+// w, m, v: fp32, n elements. grad: n elements of grad_dtype (f32/bf16/f16). param_out: nullptr when the
+// parameter is the fp32 tensor w itself; else n elements of param_dtype (bf16/f16) to receive round(w).
+void adam_step(float* w, void* param_out, DType param_dtype, const void* grad, DType grad_dtype, float* m, float* v,
+               std::int64_t n, const AdamCoeffs& c);
+
+// SGD, following torch.optim.SGD:
+//   g = sign * grad + weight_decay * w
+//   with momentum: b = keep * b + take * g     (first step: keep = 0, take = 1, i.e. b = g;
+//                                               later: keep = momentum, take = 1 - dampening)
+//                  g = nesterov ? g + momentum * b : b
+//   w -= lr * g
+struct SgdCoeffs {
+  float sign = 1.0f;
+  float weight_decay = 0.0f;
+  float lr = 0.0f;
+  bool has_momentum = false;
+  bool nesterov = false;
+  float momentum = 0.0f;
+  float keep = 0.0f;
+  float take = 1.0f;
+};
+// first_momentum_step: the momentum buffer is new (b = g).
+SgdCoeffs sgd_coeffs(const HyperParams& h, bool first_momentum_step);
+
+// buf: the momentum buffer (fp32, n elements), or nullptr when !c.has_momentum. Other arguments as adam_step.
+void sgd_step(float* w, void* param_out, DType param_dtype, const void* grad, DType grad_dtype, float* buf,
+              std::int64_t n, const SgdCoeffs& c);
+
+// fp32 -> bf16 round to nearest even, written branch-free so that it vectorises; bit-identical to
+// f32_to_bf16 (dtype.h), NaN included.
+inline std::uint16_t round_to_bf16_bits(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const std::uint32_t quiet_nan = (x >> 16) | 0x40u;
+  return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+}  // namespace shardkit::optim::fused

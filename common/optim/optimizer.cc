@@ -1,0 +1,303 @@
+#include "common/optim/optimizer.h"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/tensor/rank_context.h"
+
+namespace shardkit::optim {
+
+std::string hyper_params_str(const HyperParams& h) {
+  return absl::StrCat("lr=", h.lr, " betas=(", h.beta1, ", ", h.beta2, ") eps=", h.eps, " weight_decay=", h.weight_decay,
+                      " momentum=", h.momentum, " dampening=", h.dampening, " nesterov=", h.nesterov,
+                      " maximize=", h.maximize);
+}
+
+Optimizer::Optimizer(std::string name, HyperParams defaults) : name_(std::move(name)), defaults_(defaults) {}
+
+const ParamGroup& Optimizer::param_group(std::size_t g) const {
+  SK_CHECK_LT(g, groups_.size()) << "param group index";
+  return groups_[g];
+}
+
+HyperParams& Optimizer::mutable_hyper(std::size_t g) {
+  SK_CHECK_LT(g, groups_.size()) << "param group index";
+  return groups_[g].hyper;
+}
+
+const Tensor& Optimizer::param(std::int64_t index) const {
+  SK_CHECK(index >= 0 && index < num_params_) << "parameter index " << index << " of " << num_params_;
+  std::int64_t i = index;
+  for (const ParamGroup& g : groups_) {
+    const auto n = static_cast<std::int64_t>(g.params.size());
+    if (i < n) return g.params[static_cast<std::size_t>(i)];
+    i -= n;
+  }
+  SK_CHECK(false) << "unreachable";
+  return groups_[0].params[0];
+}
+
+const ParamState* Optimizer::state(std::int64_t index) const {
+  SK_CHECK(index >= 0 && index < num_params_) << "parameter index " << index << " of " << num_params_;
+  const auto& s = states_[static_cast<std::size_t>(index)];
+  return s.has_value() ? &*s : nullptr;
+}
+
+Tensor Optimizer::zeros_state(const Tensor& like) {
+  return Tensor::zeros(like.shape(), TensorOptions{}.with_category(MemoryCategory::optimizer_state));
+}
+
+absl::Status Optimizer::check_group(const ParamGroup& group, std::size_t group_index) const {
+  if (absl::Status s = validate_hyper(group.hyper); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(name_, " param group ", group_index, ": ", s.message()));
+  }
+  absl::flat_hash_set<const TensorImpl*> seen;
+  for (const ParamGroup& g : groups_) {
+    for (const Tensor& p : g.params) seen.insert(p.id());
+  }
+  for (std::size_t j = 0; j < group.params.size(); ++j) {
+    const Tensor& p = group.params[j];
+    const std::string where = absl::StrCat(name_, " param group ", group_index, ", parameter ", j, ": ");
+    if (!p.defined()) return absl::InvalidArgumentError(where + "expected a defined tensor, found an undefined one");
+    if (!is_floating(p.dtype())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "expected a floating-point tensor, found ", p.describe()));
+    }
+    if (!p.device().is_cpu()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "expected a CPU tensor (CUDA optimizer kernels are not written yet), found ",
+                       p.describe()));
+    }
+    if (!seen.insert(p.id()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "expected each parameter in one group only, found ", p.describe(), " twice"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Optimizer::add_param_group(ParamGroup group) {
+  if (absl::Status s = check_group(group, groups_.size()); !s.ok()) return s;
+  num_params_ += static_cast<std::int64_t>(group.params.size());
+  states_.resize(static_cast<std::size_t>(num_params_));
+  groups_.push_back(std::move(group));
+  return absl::OkStatus();
+}
+
+void Optimizer::step() {
+  MemoryCategoryScope category(MemoryCategory::optimizer_state);
+  std::size_t index = 0;
+  for (const ParamGroup& group : groups_) {
+    if (absl::Status s = validate_hyper(group.hyper); !s.ok()) {
+      SK_CHECK(false) << name_ << " step with invalid hyper-parameters: " << s.message();
+    }
+    for (const Tensor& p : group.params) {
+      std::optional<ParamState>& slot = states_[index++];
+      const Tensor grad = p.grad();
+      if (!grad.defined()) continue;
+      SK_CHECK_EQ(grad.numel(), p.numel()) << name_ << ": grad " << grad.describe() << " for " << p.describe();
+      SK_CHECK(grad.device().is_cpu() && p.device().is_cpu()) << name_ << ": CPU only; " << p.describe();
+      if (!slot.has_value()) {
+        slot.emplace();
+        if (needs_master(p.dtype())) slot->tensors[kMaster] = p.to(DType::f32, MemoryCategory::optimizer_state);
+        init_state(group.hyper, p, *slot);
+      }
+      ParamState& st = *slot;
+      ++st.step;
+      const Tensor weights = needs_master(p.dtype()) ? st.tensors.at(kMaster) : p;
+      update(group.hyper, weights, p, grad, st);
+    }
+  }
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  for (const ParamGroup& group : groups_) {
+    for (const Tensor& p : group.params) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      if (set_to_none) p.set_grad(Tensor());
+      else g.zero_();
+    }
+  }
+}
+
+void Optimizer::sync_master_from_params() {
+  std::size_t index = 0;
+  for (const ParamGroup& group : groups_) {
+    for (const Tensor& p : group.params) {
+      std::optional<ParamState>& slot = states_[index++];
+      if (!slot.has_value()) continue;
+      auto it = slot->tensors.find(kMaster);
+      if (it != slot->tensors.end()) it->second.copy_(p);
+    }
+  }
+}
+
+OptimizerStateDict Optimizer::state_dict() const {
+  OptimizerStateDict d;
+  d.optimizer = name_;
+  std::int64_t index = 0;
+  for (const ParamGroup& group : groups_) {
+    ParamGroupState gs;
+    gs.hyper = group.hyper;
+    for (std::size_t j = 0; j < group.params.size(); ++j, ++index) {
+      gs.params.push_back(index);
+      const auto& slot = states_[static_cast<std::size_t>(index)];
+      if (!slot.has_value()) continue;
+      ParamState copy;
+      copy.step = slot->step;
+      for (const auto& [key, t] : slot->tensors) copy.tensors[key] = t.clone();
+      d.state.emplace(index, std::move(copy));
+    }
+    d.param_groups.push_back(std::move(gs));
+  }
+  return d;
+}
+
+namespace {
+
+std::string KeyList(const std::set<std::string>& keys) {
+  if (keys.empty()) return "none";
+  return absl::StrJoin(keys, ", ");
+}
+
+}  // namespace
+
+absl::Status Optimizer::load_state_dict(const OptimizerStateDict& dict) {
+  auto fail = [&](const std::string& msg) {
+    return absl::InvalidArgumentError(absl::StrCat(name_, " load_state_dict: ", msg));
+  };
+  if (dict.optimizer != name_) {
+    return fail(absl::StrCat("expected a state dict of ", name_, ", found one of ",
+                             dict.optimizer.empty() ? std::string("<unnamed>") : dict.optimizer));
+  }
+  if (dict.param_groups.size() != groups_.size()) {
+    return fail(absl::StrCat("expected ", groups_.size(), " param groups, found ", dict.param_groups.size()));
+  }
+  // Pass 1: validate everything and pair each dict index with one of our parameter positions.
+  absl::flat_hash_map<std::int64_t, std::size_t> position_of;  // dict index -> our position
+  std::vector<const HyperParams*> group_of_position;
+  std::size_t position = 0;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const ParamGroupState& gs = dict.param_groups[g];
+    if (gs.params.size() != groups_[g].params.size()) {
+      return fail(absl::StrCat("param group ", g, ": expected ", groups_[g].params.size(), " parameters, found ",
+                               gs.params.size()));
+    }
+    if (absl::Status s = validate_hyper(gs.hyper); !s.ok()) {
+      return fail(absl::StrCat("param group ", g, ": ", s.message()));
+    }
+    for (std::int64_t idx : gs.params) {
+      if (!position_of.emplace(idx, position++).second) {
+        return fail(absl::StrCat("expected each parameter index once, found index ", idx, " twice"));
+      }
+      group_of_position.push_back(&gs.hyper);
+    }
+  }
+  for (const auto& [idx, st] : dict.state) {
+    auto it = position_of.find(idx);
+    if (it == position_of.end()) {
+      return fail(absl::StrCat("unexpected state for parameter index ", idx, ", which no param group lists"));
+    }
+    const std::size_t pos = it->second;
+    const Tensor& p = param(static_cast<std::int64_t>(pos));
+    const HyperParams& h = *group_of_position[pos];
+    const std::string where = absl::StrCat("parameter ", idx, " (", p.describe(), "): ");
+    if (st.step < 0) return fail(absl::StrCat(where, "expected a step count >= 0, found ", st.step));
+    std::set<std::string> required, allowed;
+    for (auto& k : required_state_keys(h)) required.insert(k);
+    if (needs_master(p.dtype())) required.insert(kMaster);
+    allowed = required;
+    for (auto& k : optional_state_keys(h)) allowed.insert(k);
+    for (const std::string& k : required) {
+      if (!st.tensors.contains(k)) {
+        return fail(absl::StrCat(where, "missing state key '", k, "' (expected keys: ", KeyList(required), ")"));
+      }
+    }
+    for (const auto& [k, t] : st.tensors) {
+      if (!allowed.contains(k)) {
+        return fail(absl::StrCat(where, "unexpected state key '", k, "' (expected keys: ", KeyList(required),
+                                 allowed.size() > required.size() ? " and optionally others" : "", ")"));
+      }
+      if (!t.defined()) return fail(absl::StrCat(where, "state '", k, "': expected a tensor, found undefined"));
+      if (t.dtype() != DType::f32 || !t.device().is_cpu()) {
+        return fail(absl::StrCat(where, "state '", k, "': expected an f32 CPU tensor, found ", t.describe()));
+      }
+      if (t.shape() != p.shape()) {
+        return fail(absl::StrCat(where, "state '", k, "': expected shape ", shape_str(p.shape()), ", found ",
+                                 shape_str(t.shape())));
+      }
+    }
+  }
+  // Pass 2: build the new state off to the side, then commit (nothing below can fail).
+  MemoryCategoryScope category(MemoryCategory::optimizer_state);
+  std::vector<std::optional<ParamState>> states(states_.size());
+  for (const auto& [idx, st] : dict.state) {
+    ParamState copy;
+    copy.step = st.step;
+    for (const auto& [k, t] : st.tensors) copy.tensors[k] = t.clone(MemoryCategory::optimizer_state);
+    states[position_of.at(idx)] = std::move(copy);
+  }
+  states_ = std::move(states);
+  for (std::size_t g = 0; g < groups_.size(); ++g) groups_[g].hyper = dict.param_groups[g].hyper;
+  return absl::OkStatus();
+}
+
+// ---- state dict helpers ------------------------------------------------------------------------
+
+std::int64_t OptimizerStateDict::num_params() const {
+  std::int64_t n = 0;
+  for (const auto& g : param_groups) n += static_cast<std::int64_t>(g.params.size());
+  return n;
+}
+
+OptimizerStateDict OptimizerStateDict::clone() const {
+  OptimizerStateDict d;
+  d.optimizer = optimizer;
+  d.param_groups = param_groups;
+  for (const auto& [idx, st] : state) {
+    ParamState copy;
+    copy.step = st.step;
+    for (const auto& [k, t] : st.tensors) copy.tensors[k] = t.defined() ? t.clone() : Tensor();
+    d.state.emplace(idx, std::move(copy));
+  }
+  return d;
+}
+
+absl::StatusOr<OptimizerStateDict> remap_indices(const OptimizerStateDict& dict,
+                                                 absl::Span<const std::int64_t> new_index) {
+  auto map = [&](std::int64_t i) -> absl::StatusOr<std::int64_t> {
+    if (i < 0 || i >= static_cast<std::int64_t>(new_index.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("remap_indices: expected an index below ", new_index.size(),
+                                                     ", found ", i));
+    }
+    return new_index[static_cast<std::size_t>(i)];
+  };
+  OptimizerStateDict d;
+  d.optimizer = dict.optimizer;
+  for (const auto& g : dict.param_groups) {
+    ParamGroupState gs;
+    gs.hyper = g.hyper;
+    for (std::int64_t i : g.params) {
+      absl::StatusOr<std::int64_t> m = map(i);
+      if (!m.ok()) return m.status();
+      gs.params.push_back(*m);
+    }
+    d.param_groups.push_back(std::move(gs));
+  }
+  for (const auto& [i, st] : dict.state) {
+    absl::StatusOr<std::int64_t> m = map(i);
+    if (!m.ok()) return m.status();
+    if (!d.state.emplace(*m, st).second) {
+      return absl::InvalidArgumentError(absl::StrCat("remap_indices: two parameters map to index ", *m));
+    }
+  }
+  return d;
+}
+
+}  // namespace shardkit::optim

@@ -1,0 +1,140 @@
+// Optimizer: the base of SGD, Adam and AdamW (DESIGN.md section 2, optim/), and what OSS wraps.
+//
+// What it holds: param groups (parameter tensor handles + HyperParams) and, per parameter, a ParamState
+// created lazily at the parameter's first step (like PyTorch). It does not own the parameters' bytes: it
+// holds handles, reads each parameter's grad slot and writes the parameter in place.
+//
+// step(): for every group and parameter, in order, skips parameters whose grad is undefined (like
+// PyTorch), otherwise increments the parameter's step count and applies one fused update (one pass over
+// the elements: see fused_kernels.h). Gradients may be f32, bf16 or f16 whatever the parameter's dtype;
+// they are read in fp32. A grad whose element count differs from its parameter's is a broken invariant
+// (InternalError). Parameters and grads must be CPU tensors (CUDA kernels are not written yet).
+//
+// Note [master weights]
+// A bf16/f16 parameter gets, at its first step, an fp32 master copy (state key "master", charged to
+// optimizer_state) initialised from the parameter's current values. From then on the master is the truth:
+// each step updates the master in fp32 and writes the parameter as the master rounded to nearest even.
+// If you overwrite such a parameter from outside afterwards (loading model weights), call
+// sync_master_from_params(), or the next step will overwrite your values from the stale master.
+//
+// Hyper-parameters may be changed between steps through mutable_hyper(g) (LR schedules do this). The
+// parameter lists are fixed once added (add_param_group appends a group).
+//
+// Memory: every state tensor is fp32 and shaped like its parameter, charged to optimizer_state. So for
+// fp32 params: AdamW/Adam hold exactly 8 bytes per stepped element (m, v), SGD with momentum 4, SGD
+// without momentum 0; bf16/f16 params add 4 bytes (master). Step counts are plain integers.
+//
+// Thread-safety: none; an Optimizer belongs to one rank (one thread at a time).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/optim/param_group.h"
+#include "common/optim/state_dict.h"
+
+namespace shardkit::optim {
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // "SGD", "Adam", "AdamW".
+  const std::string& name() const { return name_; }
+
+  // One update of every parameter that has a gradient. See the file comment.
+  void step();
+
+  // Every parameter's grad becomes undefined (set_to_none) or is filled with zeros.
+  void zero_grad(bool set_to_none = true);
+
+  // Appends a group. InvalidArgument (and no change) if a parameter is undefined, not floating point, not
+  // on the CPU, already in a group (of this optimizer, or twice in `group`), or if a hyper-parameter is out
+  // of range ("expected lr >= 0, found -1"). An empty group is allowed (an OSS rank may own nothing of it).
+  absl::Status add_param_group(ParamGroup group);
+  // Same with this optimizer's default hyper-parameters.
+  absl::Status add_param_group(std::vector<Tensor> params) { return add_param_group({std::move(params), defaults_}); }
+
+  std::size_t num_param_groups() const { return groups_.size(); }
+  const ParamGroup& param_group(std::size_t g) const;
+  // Change a group's hyper-parameters between steps (lr schedules, OSS propagating a change).
+  HyperParams& mutable_hyper(std::size_t g);
+  const HyperParams& defaults() const { return defaults_; }
+
+  // Total number of parameters; parameter `index` in group order (Note [parameter indices]).
+  std::int64_t num_params() const { return num_params_; }
+  const Tensor& param(std::int64_t index) const;
+  // The state of parameter `index`, or nullptr before its first step.
+  const ParamState* state(std::int64_t index) const;
+
+  // A copy of the full state (tensors are new, charged to the calling thread's current category), with
+  // parameters named 0..num_params()-1. See Note [parameter indices] for how OSS maps them.
+  OptimizerStateDict state_dict() const;
+
+  // Replaces the state and every group's hyper-parameters with the dict's (values are copied into new
+  // optimizer_state tensors; the dict is not kept). On any mismatch it returns InvalidArgument saying what
+  // was expected and what was found, and the optimizer is unchanged: optimizer name, number of groups,
+  // number of params per group, duplicate indices, state for an index no group lists, missing or unexpected
+  // state keys, tensor shapes and dtypes (state tensors are f32), negative step counts, and hyper-parameters
+  // out of range.
+  absl::Status load_state_dict(const OptimizerStateDict& dict);
+
+  // Re-reads every bf16/f16 parameter's fp32 master from the parameter's current values.
+  void sync_master_from_params();
+
+ protected:
+  Optimizer(std::string name, HyperParams defaults);
+
+  // Range checks for this optimizer's hyper-parameters ("expected ..., found ..."; the message is
+  // prefixed by the caller with the group).
+  virtual absl::Status validate_hyper(const HyperParams& h) const = 0;
+  // The state keys a parameter's state must have (besides "master", which the base class handles), and
+  // those it may have. load_state_dict accepts exactly required ∪ (subset of optional).
+  virtual std::vector<std::string> required_state_keys(const HyperParams& h) const = 0;
+  virtual std::vector<std::string> optional_state_keys(const HyperParams& h) const { return {}; }
+  // Creates the state tensors of a parameter before its first step (zeros; charged to optimizer_state by
+  // the caller's scope). The base class has already added "master" if needed.
+  virtual void init_state(const HyperParams& h, const Tensor& param, ParamState& state) const = 0;
+  // One update. `state.step` has already been incremented (1 at the first step). `weights` is the fp32
+  // tensor to update in place (the master for bf16/f16 params, else the param itself); `param` is the
+  // parameter to write back to (the same tensor as `weights` for fp32 params).
+  virtual void update(const HyperParams& h, const Tensor& weights, const Tensor& param, const Tensor& grad,
+                      ParamState& state) = 0;
+
+  // Helper for subclasses: a zero fp32 tensor shaped like `like`, charged to optimizer_state.
+  static Tensor zeros_state(const Tensor& like);
+
+ private:
+  absl::Status check_group(const ParamGroup& group, std::size_t group_index) const;
+
+  std::string name_;
+  HyperParams defaults_;
+  std::vector<ParamGroup> groups_;
+  // Parallel to the concatenated params: empty until the parameter's first step.
+  std::vector<std::optional<ParamState>> states_;
+  std::int64_t num_params_ = 0;
+};
+
+// What OSS takes: builds an optimizer over the given groups (typically a rank's share of every group, with
+// the full model's hyper-parameters). Status if add_param_group would fail.
+using OptimizerFactory = std::function<absl::StatusOr<std::unique_ptr<Optimizer>>(std::vector<ParamGroup>)>;
+
+// Builds a T (constructed from `defaults`) and adds `groups` in order; the first failing group's Status.
+template <typename T>
+absl::StatusOr<std::unique_ptr<Optimizer>> make_optimizer(std::vector<ParamGroup> groups, HyperParams defaults) {
+  auto opt = std::make_unique<T>(defaults);
+  for (ParamGroup& g : groups) {
+    if (absl::Status s = opt->add_param_group(std::move(g)); !s.ok()) return s;
+  }
+  return std::unique_ptr<Optimizer>(std::move(opt));
+}
+
+}  // namespace shardkit::optim
