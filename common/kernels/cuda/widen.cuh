@@ -26,4 +26,10 @@ __device__ __forceinline__ void store_f32(f16_t* p, std::int64_t i, float v) {
   p[i].bits = __half_as_ushort(__float2half_rn(v));
 }
 
+// i64 goes through fp32 as convert_elements does on the CPU (float -> i64 truncates toward zero).
+__device__ __forceinline__ float load_f32(const std::int64_t* p, std::int64_t i) { return static_cast<float>(p[i]); }
+__device__ __forceinline__ void store_f32(std::int64_t* p, std::int64_t i, float v) {
+  p[i] = static_cast<std::int64_t>(v);
+}
+
 }  // namespace shardkit::kernels::cuda

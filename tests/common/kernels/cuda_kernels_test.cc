@@ -1,0 +1,160 @@
+// The CUDA kernels against the CPU kernels (themselves checked against double references in the other
+// test files). Every test skips, with the reason, when no CUDA device is usable at run time.
+#include <cmath>
+#include <vector>
+
+#include "common/kernels/elementwise.h"
+#include "common/kernels/gemm.h"
+#include "common/kernels/reduce.h"
+#include "common/tensor/device_memory.h"
+#include "common/tensor/tensor.h"
+#include "gtest/gtest.h"
+#include "tests/common/kernels/test_util.h"
+
+namespace shardkit::kernels {
+namespace {
+
+using testing::RandomFloats;
+using testing::TestSizes;
+
+#define SK_REQUIRE_CUDA_DEVICE()                                                                      \
+  if (shardkit::detail::cuda_device_count() == 0) {                                                  \
+    GTEST_SKIP() << "no usable CUDA device (build without CUDA, no GPU, or CUDA driver too old): "  \
+                    "CUDA kernels not exercised";                                                    \
+  }
+
+const Device kGpu = Device::cuda(0);
+
+TensorOptions OnGpu(DType dtype) {
+  TensorOptions o = TensorOptions{}.with_dtype(dtype);
+  o.device = kGpu;
+  return o;
+}
+
+Tensor ToGpu(const Tensor& cpu) {
+  Tensor g = Tensor::empty(cpu.shape(), OnGpu(cpu.dtype()));
+  cast(cpu, g);
+  return g;
+}
+
+Tensor ToCpu(const Tensor& gpu, DType dtype) {
+  Tensor c = Tensor::empty(gpu.shape(), TensorOptions{}.with_dtype(dtype));
+  cast(gpu, c);
+  return c;
+}
+
+TEST(CudaKernelsTest, ElementwiseMatchesCpu) {
+  SK_REQUIRE_CUDA_DEVICE();
+  std::uint64_t seed = 1;
+  for (std::int64_t n : TestSizes()) {
+    SCOPED_TRACE(::testing::Message() << "n=" << n);
+    const Tensor a = Tensor::from_vector(RandomFloats(n, seed++), {n});
+    const Tensor b = Tensor::from_vector(RandomFloats(n, seed++), {n});
+    const Tensor ga = ToGpu(a), gb = ToGpu(b), gout = Tensor::empty({n}, OnGpu(DType::f32));
+    const Tensor out = Tensor::empty({n});
+    // add/sub/mul/scale are single correctly rounded IEEE operations on both sides: bit-identical.
+    add(a, b, out);
+    add(ga, gb, gout);
+    EXPECT_EQ(ToCpu(gout, DType::f32).to_vector(), out.to_vector());
+    sub(a, b, out);
+    sub(ga, gb, gout);
+    EXPECT_EQ(ToCpu(gout, DType::f32).to_vector(), out.to_vector());
+    mul(a, b, out);
+    mul(ga, gb, gout);
+    EXPECT_EQ(ToCpu(gout, DType::f32).to_vector(), out.to_vector());
+    scale(0.3f, a, out);
+    scale(0.3f, ga, gout);
+    EXPECT_EQ(ToCpu(gout, DType::f32).to_vector(), out.to_vector());
+    fill(gout, 1.5f);
+    EXPECT_EQ(max_abs(ToCpu(gout, DType::f32)), n > 0 ? 1.5 : 0.0);
+    // axpy / axpby: the GPU contracts to FMA, the CPU may not: within two fp32 roundings (|terms| <= 2).
+    const Tensor y = b.clone(), gy = ToGpu(b);
+    axpy(0.7f, a, y);
+    axpy(0.7f, ga, gy);
+    std::vector<float> got = ToCpu(gy, DType::f32).to_vector(), want = y.to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 4 * 0x1p-24) << i;
+    axpby(0.7f, a, -1.1f, y);
+    axpby(0.7f, ga, -1.1f, gy);
+    got = ToCpu(gy, DType::f32).to_vector();
+    want = y.to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 8 * 0x1p-24) << i;
+  }
+}
+
+TEST(CudaKernelsTest, ReductionsMatchCpu) {
+  SK_REQUIRE_CUDA_DEVICE();
+  std::uint64_t seed = 10;
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    for (std::int64_t n : TestSizes()) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " n=" << n);
+      std::vector<float> v = RandomFloats(n, seed++, -0.75f, 1.25f);
+      if (n > 0 && dtype == DType::f16) v[0] = 60000.f;  // its square overflows f16, not the fp32 accumulator
+      const Tensor t = Tensor::from_vector(v, {n}, TensorOptions{}.with_dtype(dtype));
+      const Tensor g = ToGpu(t);
+      double sum_abs = 0, sum_sq = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        sum_abs += std::abs(t.item_at(i));
+        sum_sq += t.item_at(i) * t.item_at(i);
+      }
+      // Each GPU thread adds at most ceil(n / (1024 * 256)) terms in fp32; blocks combine in double. With
+      // the CPU's bound (reduce_test.cc) the two results differ by at most the sum of both bounds.
+      const double lane = std::ceil(static_cast<double>(n) / (1024.0 * 256.0)) + 2.0;
+      EXPECT_NEAR(sum(g), sum(t), (lane + 66.0) * 0x1p-24 * sum_abs + 1e-300);
+      EXPECT_NEAR(sum_squares(g), sum_squares(t), (lane + 66.0) * 0x1p-24 * sum_sq + 1e-300);
+      EXPECT_EQ(max_abs(g), max_abs(t));
+    }
+  }
+  std::vector<float> v(1000, 1.f);
+  v[777] = std::nanf("");
+  EXPECT_TRUE(std::isnan(max_abs(ToGpu(Tensor::from_vector(v, {1000}, TensorOptions{}.with_dtype(DType::f16))))));
+}
+
+TEST(CudaKernelsTest, CastsMatchCpuForEveryPair) {
+  SK_REQUIRE_CUDA_DEVICE();
+  const std::int64_t n = (std::int64_t{1} << 20) + 3;
+  std::vector<float> v = RandomFloats(n, 77, -70000.f, 70000.f);  // includes f16 overflow
+  for (DType from : {DType::f32, DType::bf16, DType::f16, DType::i64}) {
+    for (DType to : {DType::f32, DType::bf16, DType::f16, DType::i64}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(from) << " -> " << dtype_name(to));
+      const Tensor src = Tensor::from_vector(v, {n}).to(from);
+      Tensor want = Tensor::empty({n}, TensorOptions{}.with_dtype(to));
+      cast(src, want);
+      const Tensor g_src = ToGpu(src);
+      Tensor g_dst = Tensor::empty({n}, OnGpu(to));
+      cast(g_src, g_dst);                               // on the device
+      EXPECT_EQ(ToCpu(g_dst, to).to_vector(), want.to_vector());
+      EXPECT_EQ(ToCpu(g_src, to).to_vector(), want.to_vector());  // device -> host, converting
+      Tensor g_direct = Tensor::empty({n}, OnGpu(to));
+      cast(src, g_direct);                              // host -> device, converting
+      EXPECT_EQ(ToCpu(g_direct, to).to_vector(), want.to_vector());
+    }
+  }
+}
+
+TEST(CudaKernelsTest, MatmulMatchesCpuForEveryTranspose) {
+  SK_REQUIRE_CUDA_DEVICE();
+  const std::int64_t m = 33, n = 17, k = 65;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "ta=" << ta << " tb=" << tb);
+      Generator gen(3);
+      const Tensor a = Tensor::uniform(ta ? Shape{k, m} : Shape{m, k}, gen, -1, 1);
+      const Tensor b = Tensor::uniform(tb ? Shape{n, k} : Shape{k, n}, gen, -1, 1);
+      const Tensor c = Tensor::uniform({m, n}, gen, -1, 1);
+      const Tensor gc = ToGpu(c);
+      matmul(a, b, c, ta, tb, 0.5f);
+      matmul(ToGpu(a), ToGpu(b), gc, ta, tb, 0.5f);
+      const std::vector<float> got = ToCpu(gc, DType::f32).to_vector(), want = c.to_vector();
+      // Both are within (k + 3) * 2^-24 * sum|a_il b_lj| (<= k + 0.5) of the exact result.
+      for (std::size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 2 * (k + 3) * 0x1p-24 * (k + 0.5)) << i;
+    }
+  }
+  // k == 0: out = beta * out on the device too.
+  const Tensor out = ToGpu(Tensor::full({2, 3}, 4.0));
+  matmul(Tensor::empty({2, 0}, OnGpu(DType::f32)), Tensor::empty({0, 3}, OnGpu(DType::f32)),
+         out, false, false, 0.25f);
+  EXPECT_EQ(ToCpu(out, DType::f32).to_vector(), std::vector<float>(6, 1.f));
+}
+
+}  // namespace
+}  // namespace shardkit::kernels
