@@ -1,0 +1,101 @@
+#include "common/autograd/ops/attention.h"
+
+#include <cmath>
+
+#include "common/autograd/ops/fast_math.h"
+#include "common/autograd/ops/gemm_timing.h"
+#include "common/autograd/ops/op_utils.h"
+
+namespace shardkit::autograd {
+namespace {
+
+// Row-wise causal softmax of s [T, T] in place: row i keeps columns 0..i.
+void CausalSoftmax(float* s, std::int64_t t) {
+  for (std::int64_t i = 0; i < t; ++i) {
+    float* __restrict row = s + i * t;
+    float mx = -INFINITY;
+    for (std::int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
+    float sum = 0;
+    for (std::int64_t j = 0; j <= i; ++j) {
+      const float e = detail::fast_exp(row[j] - mx);
+      row[j] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+    for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
+    for (std::int64_t j = i + 1; j < t; ++j) row[j] = 0.f;
+  }
+}
+
+}  // namespace
+
+Tensor causal_attention(const Tensor& qkv, std::int64_t num_heads) {
+  detail::check_f32_cpu("causal_attention", qkv);
+  SK_CHECK(qkv.dim() == 3 && qkv.size(2) % 3 == 0) << "causal_attention: expected qkv [B, T, 3C], found "
+                                                   << qkv.describe();
+  const std::int64_t b_n = qkv.size(0), t = qkv.size(1), c = qkv.size(2) / 3;
+  SK_CHECK(num_heads > 0 && c % num_heads == 0) << "causal_attention: width " << c << " is not divisible by "
+                                                << num_heads << " heads";
+  const std::int64_t hs = c / num_heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+  Tensor out = detail::new_activation({b_n, t, c});
+  Tensor att = detail::new_activation({b_n, num_heads, t, t});
+  const float* in = qkv.data<float>();
+  float* y = out.data<float>();
+  float* a = att.data<float>();
+  for (std::int64_t b = 0; b < b_n; ++b) {
+    for (std::int64_t h = 0; h < num_heads; ++h) {
+      const float* q = in + b * t * 3 * c + h * hs;
+      const float* k = q + c;
+      const float* v = q + 2 * c;
+      float* s = a + (b * num_heads + h) * t * t;
+      detail::timed_gemm(false, true, t, t, hs, scale, q, 3 * c, k, 3 * c, 0.f, s, t);
+      CausalSoftmax(s, t);
+      detail::timed_gemm(false, false, t, hs, t, 1.f, s, t, v, 3 * c, 0.f, y + b * t * c + h * hs, c);
+    }
+  }
+  if (should_record({&qkv})) {
+    detail::record("CausalAttentionBackward", {&qkv}, {&out},
+                   [qkv, att, b_n, t, c, num_heads, hs, scale](TensorList&& g) -> TensorList {
+                     Tensor gqkv = detail::new_activation(qkv.shape());
+                     Tensor datt_t = detail::new_activation({t, t});
+                     const float* in = qkv.data<float>();
+                     const float* gy = g[0].data<float>();
+                     const float* a = att.data<float>();
+                     float* gin = gqkv.data<float>();
+                     float* datt = datt_t.data<float>();
+                     for (std::int64_t b = 0; b < b_n; ++b) {
+                       for (std::int64_t h = 0; h < num_heads; ++h) {
+                         const std::int64_t off = b * t * 3 * c + h * hs;
+                         const float* q = in + off;
+                         const float* k = q + c;
+                         const float* v = q + 2 * c;
+                         float* dq = gin + off;
+                         float* dk = dq + c;
+                         float* dv = dq + 2 * c;
+                         const float* p = a + (b * num_heads + h) * t * t;
+                         const float* dy = gy + b * t * c + h * hs;
+                         // dV = P^T dY; dP = dY V^T
+                         detail::timed_gemm(true, false, t, hs, t, 1.f, p, t, dy, c, 0.f, dv, 3 * c);
+                         detail::timed_gemm(false, true, t, t, hs, 1.f, dy, c, v, 3 * c, 0.f, datt, t);
+                         // dS = P * (dP - rowsum(P * dP)), causal rows.
+                         for (std::int64_t i = 0; i < t; ++i) {
+                           const float* __restrict pr = p + i * t;
+                           float* __restrict dr = datt + i * t;
+                           float dot = 0;
+                           for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
+                           for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
+                           for (std::int64_t j = i + 1; j < t; ++j) dr[j] = 0.f;
+                         }
+                         // dQ = scale dS K; dK = scale dS^T Q
+                         detail::timed_gemm(false, false, t, hs, t, scale, datt, t, k, 3 * c, 0.f, dq, 3 * c);
+                         detail::timed_gemm(true, false, t, hs, t, scale, datt, t, q, 3 * c, 0.f, dk, 3 * c);
+                       }
+                     }
+                     return {gqkv};
+                   });
+  }
+  return out;
+}
+
+}  // namespace shardkit::autograd

@@ -1,0 +1,70 @@
+#include "common/autograd/ops/loss.h"
+
+#include <cmath>
+
+#include "common/autograd/ops/fast_math.h"
+#include "common/autograd/ops/op_utils.h"
+
+namespace shardkit::autograd {
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t ignore_index) {
+  detail::check_f32_cpu("cross_entropy", logits);
+  SK_CHECK(targets.defined() && targets.dtype() == DType::i64 && targets.device().is_cpu())
+      << "cross_entropy: expected i64 CPU targets, found " << (targets.defined() ? targets.describe() : "undefined");
+  SK_CHECK_GE(logits.dim(), 1);
+  const std::int64_t v = logits.size(-1);
+  const std::int64_t rows = v == 0 ? 0 : logits.numel() / v;
+  SK_CHECK_EQ(targets.numel(), rows) << "cross_entropy: expected one target per row of logits " << logits.describe()
+                                     << ", found targets " << targets.describe();
+  const float* x = logits.data<float>();
+  const std::int64_t* t = targets.data<std::int64_t>();
+  Tensor lse_t = detail::new_activation({rows});
+  float* lse = lse_t.data<float>();
+  double total = 0;
+  std::int64_t count = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t target = t[r];
+    if (target == ignore_index) {
+      lse[r] = 0;
+      continue;
+    }
+    SK_CHECK(target >= 0 && target < v) << "cross_entropy: target " << target << " at position " << r
+                                        << " is outside [0, " << v << ")";
+    const float* __restrict xr = x + r * v;
+    float mx = -INFINITY;
+    for (std::int64_t j = 0; j < v; ++j) mx = std::max(mx, xr[j]);
+    float s = 0;
+    for (std::int64_t j = 0; j < v; ++j) s += detail::fast_exp(xr[j] - mx);
+    lse[r] = mx + std::log(s);
+    total += static_cast<double>(lse[r]) - static_cast<double>(xr[target]);
+    ++count;
+  }
+  Tensor out = detail::new_activation({});
+  out.data<float>()[0] = count > 0 ? static_cast<float>(total / static_cast<double>(count)) : 0.f;
+  if (should_record({&logits})) {
+    detail::record("CrossEntropyBackward", {&logits}, {&out},
+                   [logits, targets, lse_t, rows, v, count, ignore_index](TensorList&& g) -> TensorList {
+                     Tensor gx = detail::new_activation(logits.shape());
+                     const float scale = count > 0 ? g[0].data<float>()[0] / static_cast<float>(count) : 0.f;
+                     const float* x = logits.data<float>();
+                     const std::int64_t* t = targets.data<std::int64_t>();
+                     const float* lse = lse_t.data<float>();
+                     float* o = gx.data<float>();
+                     for (std::int64_t r = 0; r < rows; ++r) {
+                       float* __restrict orow = o + r * v;
+                       if (t[r] == ignore_index) {
+                         for (std::int64_t j = 0; j < v; ++j) orow[j] = 0.f;
+                         continue;
+                       }
+                       const float* __restrict xr = x + r * v;
+                       const float l = lse[r];
+                       for (std::int64_t j = 0; j < v; ++j) orow[j] = scale * detail::fast_exp(xr[j] - l);
+                       orow[t[r]] -= scale;
+                     }
+                     return {gx};
+                   });
+  }
+  return out;
+}
+
+}  // namespace shardkit::autograd
