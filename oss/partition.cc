@@ -35,35 +35,39 @@ GreedyPartition partition_greedy(const GroupSizes& sizes, int world) {
   return p;
 }
 
-std::int64_t FlatPartition::rank_begin(int rank) const { return std::min(total, shard_size * rank); }
-std::int64_t FlatPartition::rank_end(int rank) const { return std::min(total, shard_size * (rank + 1)); }
+std::int64_t FlatGroup::begin(int rank) const { return std::min(total, shard_size * rank); }
+std::int64_t FlatGroup::end(int rank) const { return std::min(total, shard_size * (rank + 1)); }
+
+std::int64_t FlatPartition::owned_numel(int rank) const {
+  std::int64_t n = 0;
+  for (const FlatGroup& g : groups) n += g.end(rank) - g.begin(rank);
+  return n;
+}
 
 FlatPartition partition_flat(const GroupSizes& sizes, int world) {
   SK_CHECK_GE(world, 1);
   FlatPartition p;
-  for (const auto& g : sizes) {
-    for (std::int64_t n : g) {
-      SK_CHECK_GE(n, 0);
-      p.total += n;
-    }
-  }
-  p.shard_size = (p.total + world - 1) / world;
   p.slices.resize(static_cast<std::size_t>(world));
-  std::int64_t flat = 0;
   for (std::size_t gi = 0; gi < sizes.size(); ++gi) {
+    FlatGroup fg;
+    for (std::int64_t n : sizes[gi]) {
+      SK_CHECK_GE(n, 0);
+      fg.total += n;
+    }
+    fg.shard_size = (fg.total + world - 1) / world;
+    std::int64_t flat = 0;
     for (std::size_t pi = 0; pi < sizes[gi].size(); ++pi) {
       const std::int64_t n = sizes[gi][pi];
-      std::int64_t done = 0;
-      while (done < n) {
-        const int rank = static_cast<int>((flat + done) / p.shard_size);
-        const std::int64_t room = p.rank_end(rank) - (flat + done);
-        const std::int64_t len = std::min(room, n - done);
+      for (std::int64_t done = 0; done < n;) {
+        const int rank = static_cast<int>((flat + done) / fg.shard_size);
+        const std::int64_t len = std::min(fg.end(rank) - (flat + done), n - done);
         p.slices[static_cast<std::size_t>(rank)].push_back(
             Slice{static_cast<int>(gi), static_cast<int>(pi), done, len, flat + done});
         done += len;
       }
       flat += n;
     }
+    p.groups.push_back(fg);
   }
   return p;
 }

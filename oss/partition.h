@@ -8,10 +8,11 @@
 //    running total is smallest (ties: lower rank). Totals carry over from group to group, so the balance is
 //    over the whole model. Frozen parameters are partitioned like any other (as the anchors do): ownership
 //    does not move when a parameter is frozen or unfrozen.
-//  * Flat: the parameters of all groups, concatenated in group order, form one flat index space of
-//    `total` elements that is split into `world` contiguous ranges of ceil(total / world) elements (the
-//    last ranges may be shorter or empty). A tensor may straddle ranks: each rank owns a list of slices.
-//    This is what makes one reduce-scatter / all-gather per bucket possible.
+//  * Flat: per param group, the group's parameters concatenated in order form a flat index space of
+//    `total` elements, split into `world` contiguous ranges of ceil(total / world) elements (the last
+//    ranges may be shorter or empty). A tensor may straddle ranks: each rank owns a list of slices. This
+//    is what makes one reduce-scatter / all-gather per bucket possible. Per group (not over the whole
+//    model) so that adding a param group never moves ownership of existing parameters.
 #pragma once
 
 #include <cstdint>
@@ -39,18 +40,23 @@ struct Slice {
   int param = 0;
   std::int64_t offset = 0;
   std::int64_t length = 0;
-  std::int64_t flat_offset = 0;  // where the slice starts in the flat index space
+  std::int64_t flat_offset = 0;  // where the slice starts in its group's flat index space
   friend bool operator==(const Slice&, const Slice&) = default;
 };
 
-struct FlatPartition {
-  std::int64_t total = 0;       // elements over all groups
+// One group's flat index space and its split.
+struct FlatGroup {
+  std::int64_t total = 0;       // elements of the group
   std::int64_t shard_size = 0;  // ceil(total / world): every rank's range has this capacity
-  std::vector<std::vector<Slice>> slices;  // slices[rank], in flat order
+  std::int64_t begin(int rank) const;  // flat range [begin, end) of `rank`, clipped to total
+  std::int64_t end(int rank) const;
+};
 
-  std::int64_t rank_begin(int rank) const;  // flat range [begin, end) of `rank`, clipped to total
-  std::int64_t rank_end(int rank) const;
-  std::int64_t owned_numel(int rank) const { return rank_end(rank) - rank_begin(rank); }
+struct FlatPartition {
+  std::vector<FlatGroup> groups;
+  std::vector<std::vector<Slice>> slices;  // slices[rank], in (group, flat) order
+
+  std::int64_t owned_numel(int rank) const;
 };
 
 FlatPartition partition_flat(const GroupSizes& sizes, int world);
