@@ -118,10 +118,12 @@ void cast(const Tensor& src, const Tensor& dst) {
   } else if (src.dtype() == dst.dtype()) {
     cuda::copy_bytes(src.raw_data(), sd, dst.raw_data(), dd, dst.nbytes());
   } else {
-    // Crossing devices and changing dtype: move the bytes as they are, then convert on dst's device.
-    Tensor staging = Tensor::empty(src.shape(), TensorOptions{src.dtype(), dd, MemoryCategory::other});
-    cuda::copy_bytes(src.raw_data(), sd, staging.raw_data(), dd, staging.nbytes());
-    cast(staging, dst);
+    // Crossing devices and changing dtype: convert where the source lives into a staging buffer of dst's
+    // dtype, then move the bytes. copy_bytes waits for the calling thread's stream, which also orders
+    // the conversion kernel (same stream) before the staging buffer is freed.
+    Tensor staging = Tensor::empty(src.shape(), TensorOptions{dst.dtype(), sd, MemoryCategory::other});
+    cast(src, staging);
+    cuda::copy_bytes(staging.raw_data(), sd, dst.raw_data(), dd, dst.nbytes());
   }
 }
 

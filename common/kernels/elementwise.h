@@ -1,7 +1,7 @@
 // Elementwise fp32 kernels and dtype casts (DESIGN.md section 2).
 //
 // Raw-pointer forms: CPU fp32 arrays of n elements, plain loops that gcc vectorises (checked with
-// -fopt-info-vec; see the kernels' report in the Foundation issue). Aliasing: `out` (or `y`) may be the
+// -fopt-info-vec-optimized: every loop here vectorises, see Note [elementwise aliasing] in the .cc). Aliasing: `out` (or `y`) may be the
 // very same array as an input (in place: add(a, b, a, n)); partially overlapping arrays are not allowed.
 //
 // Tensor forms: contiguous f32 tensors (any shape, equal numel) on one device; CPU tensors run the
@@ -38,8 +38,10 @@ void fill(const Tensor& x, float value);
 
 // dst = src converted to dst's dtype, for any dtype pair (f32, bf16, f16, i64) and any pair of devices
 // (CPU<->CUDA, CUDA<->CUDA), same numel. bf16/f16 results round to nearest even; float -> i64 truncates
-// toward zero. A copy that crosses devices and changes dtype stages through a temporary of src's dtype
-// on dst's device (charged to the ledger as "other" while it lives). Synchronous for CPU destinations.
+// toward zero (values out of i64 range are undefined). A copy that crosses devices and changes dtype
+// converts on src's device into a temporary of dst's dtype (charged to the ledger as "other" while it
+// lives) and then copies. Copies that cross devices are synchronous; a CUDA-only cast is asynchronous
+// on the calling thread's default stream.
 void cast(const Tensor& src, const Tensor& dst);
 
 }  // namespace shardkit::kernels

@@ -11,8 +11,9 @@
 // max_abs propagates NaN: if any element is NaN the result is NaN. Empty input: sum = sum_squares =
 // max_abs = 0.
 //
-// CPU tensors are reduced on the calling thread; CUDA tensors on their device (the call waits for the
-// result). i64 tensors are rejected (InternalError). Thread-safe (no shared state).
+// CPU tensors are reduced on the calling thread; CUDA tensors on their device, ordered after earlier
+// work on the calling thread's default stream (cudaStreamPerThread; work on other streams, e.g. NCCL's,
+// must be synchronised by the caller first), and the call waits for the result. i64 tensors are rejected (InternalError). Thread-safe (no shared state).
 #pragma once
 
 #include <cstdint>

@@ -39,7 +39,8 @@ void fill(Device device, float* x, std::int64_t n, float value);
 // dst[i] = src[i] converted (both on `device`; any dtype pair; bf16/f16 round to nearest even).
 void cast(Device device, const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n);
 
-// Copies bytes between any two of host / device memory (synchronous with respect to the host).
+// Copies bytes between any two of host / device memory, on the source device's per-thread stream (the
+// destination's when the source is the host), and waits for it.
 void copy_bytes(const void* src, Device src_device, void* dst, Device dst_device, std::size_t nbytes);
 
 }  // namespace shardkit::kernels::cuda

@@ -22,14 +22,20 @@ class DeviceGuard {
   explicit DeviceGuard(Device device) {
     SK_CHECK(device.is_cuda()) << "CUDA kernel on " << device.str();
     SK_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device.index) SK_CUDA_CHECK(cudaSetDevice(device.index));
+    if (previous_ != device.index) {
+      SK_CUDA_CHECK(cudaSetDevice(device.index));
+      changed_ = true;
+    }
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
   int previous_ = 0;
+  bool changed_ = false;
 };
 
 inline constexpr int kThreads = 256;

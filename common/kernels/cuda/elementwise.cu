@@ -114,8 +114,10 @@ void copy_bytes(const void* src, Device src_device, void* dst, Device dst_device
     std::memmove(dst, src, nbytes);
     return;
   }
-  // Unified addressing: cudaMemcpyDefault works out the direction (host, device, or peer device).
-  DeviceGuard guard(dst_device.is_cuda() ? dst_device : src_device);
+  // Unified addressing: cudaMemcpyDefault works out the direction (host, device, or peer device). The
+  // copy runs on the source device's per-thread stream, so it is ordered after the kernels that the
+  // calling thread launched to produce the source (cast() relies on this for its staging buffer).
+  DeviceGuard guard(src_device.is_cuda() ? src_device : dst_device);
   SK_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, cudaStreamPerThread));
   SK_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
 }

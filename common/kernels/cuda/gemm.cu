@@ -3,7 +3,8 @@
 // Note [row-major through column-major cuBLAS]: a row-major matrix with leading dimension ld is the
 // column-major matrix of its transpose with the same ld. Row-major C = op(A) op(B) is therefore
 // column-major C^T = op(B)^T op(A)^T: call cublasSgemm with the operands swapped (B first), the same
-// transpose flags, and the dimensions (n, m, k).
+// transpose flags, and the dimensions (n, m, k). Handles use cuBLAS's default math mode: full fp32
+// (no TF32 tensor-core rounding), so results agree with the CPU GEMM to fp32 rounding.
 #include <cublas_v2.h>
 
 #include <limits>

@@ -3,6 +3,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -10,6 +11,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/common/kernels/test_util.h"
+
+extern "C" int openblas_get_num_threads(void);  // OpenBLAS's own API (cblas.h is private to the library)
 
 namespace shardkit::kernels {
 namespace {
@@ -127,10 +130,37 @@ TEST(GemmTest, BadLeadingDimensionThrows) {
   EXPECT_THROW(gemm(false, false, -1, 4, 4, 1.f, a.data(), 4, b.data(), 4, 0.f, c.data(), 4), InternalError);
 }
 
-TEST(GemmTest, SetBlasSingleThreadedIsIdempotent) {
+TEST(GemmTest, BlasRunsOneThreadAfterFirstUse) {
+  std::vector<float> a(4, 1.f), b(4, 1.f), c(4);
+  gemm(false, false, 2, 2, 2, 1.f, a.data(), 2, b.data(), 2, 0.f, c.data(), 2);  // first use sets 1 thread
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+  set_blas_single_threaded();  // idempotent
   set_blas_single_threaded();
-  set_blas_single_threaded();
-  SUCCEED();
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+}
+
+TEST(GemmTest, ConcurrentCallersFromRankThreadsGetSerialResults) {
+  // Simulated ranks are threads: each calls gemm on its own buffers at the same time.
+  constexpr int kThreads = 4;
+  const std::int64_t m = 37, n = 29, k = 53;
+  std::vector<std::vector<float>> as, bs, serial(kThreads), parallel(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    as.push_back(RandomFloats(m * k, 300 + t));
+    bs.push_back(RandomFloats(k * n, 400 + t));
+    serial[t].assign(static_cast<std::size_t>(m * n), 0.f);
+    parallel[t].assign(static_cast<std::size_t>(m * n), 0.f);
+    gemm(false, false, m, n, k, 1.f, as[t].data(), k, bs[t].data(), n, 0.f, serial[t].data(), n);
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int rep = 0; rep < 20; ++rep) {
+        gemm(false, false, m, n, k, 1.f, as[t].data(), k, bs[t].data(), n, 0.f, parallel[t].data(), n);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(parallel[t], serial[t]) << "thread " << t;  // same code path: same bits
 }
 
 TEST(MatmulTest, MatchesGemmForEveryTranspose) {
