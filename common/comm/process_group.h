@@ -109,52 +109,52 @@ struct ReduceOp {
 
 struct BroadcastOptions {
   int root = 0;
-  std::optional<absl::Duration> timeout;
-  std::string tag;
+  std::optional<absl::Duration> timeout = std::nullopt;
+  std::string tag = {};
 };
 
 struct AllReduceOptions {
-  ReduceOp op;
-  std::optional<absl::Duration> timeout;
-  std::string tag;
+  ReduceOp op = ReduceOp::sum();
+  std::optional<absl::Duration> timeout = std::nullopt;
+  std::string tag = {};
 };
 
 struct ReduceOptions {
   int root = 0;
-  ReduceOp op;
-  std::optional<absl::Duration> timeout;
-  std::string tag;
+  ReduceOp op = ReduceOp::sum();
+  std::optional<absl::Duration> timeout = std::nullopt;
+  std::string tag = {};
 };
 
 struct AllGatherOptions {
-  std::optional<absl::Duration> timeout;
-  std::string tag;
+  std::optional<absl::Duration> timeout = std::nullopt;
+  std::string tag = {};
 };
 
 struct ReduceScatterOptions {
-  ReduceOp op;
-  std::optional<absl::Duration> timeout;
-  std::string tag;
+  ReduceOp op = ReduceOp::sum();
+  std::optional<absl::Duration> timeout = std::nullopt;
+  std::string tag = {};
 };
 
 struct BarrierOptions {
-  std::optional<absl::Duration> timeout;
-  std::string tag;
+  std::optional<absl::Duration> timeout = std::nullopt;
+  std::string tag = {};
 };
 
 struct P2POptions {
-  std::optional<absl::Duration> timeout;
-  std::string tag;
+  std::optional<absl::Duration> timeout = std::nullopt;
+  std::string tag = {};
 };
 
 // Options for creating a sub-group (split / new_group).
 struct SubGroupOptions {
   // The sub-group's default timeout; empty = the parent's.
-  std::optional<absl::Duration> default_timeout;
+  std::optional<absl::Duration> default_timeout = std::nullopt;
   // Name used in error messages; empty = "<parent name>/<index>".
-  std::string name;
+  std::string name = {};
   // Deadline for the creation itself (it is a collective over the parent); empty = parent's default.
-  std::optional<absl::Duration> timeout;
+  std::optional<absl::Duration> timeout = std::nullopt;
 };
 
 // ---- the call a backend executes ---------------------------------------------------------------

@@ -1,0 +1,485 @@
+#include "common/comm/in_process_group.h"
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "common/base/check.h"
+#include "common/comm/completion_work.h"
+#include "common/comm/reduce_kernels.h"
+
+namespace shardkit::comm {
+namespace {
+
+// What a rank publishes at a collective's enter point (see Note [in-process collectives]).
+struct CallDesc {
+  const CollectiveCall* call = nullptr;  // valid while its rank waits at the enter point
+  char* in = nullptr;
+  char* out = nullptr;
+};
+
+struct P2PEntry {
+  Tensor tensor;
+  std::shared_ptr<CompletionWork> work;
+  std::string what;  // for error messages
+};
+
+struct GroupState {
+  int id = 0;
+  std::string name;
+  std::vector<int> global;  // world rank of each group rank
+  int n = 0;
+
+  // Rendezvous (guarded by the world mutex; generation also read without it while spinning).
+  std::atomic<std::uint64_t> generation{0};
+  int arrived = 0;
+  std::vector<std::uint64_t> arrived_for;  // generation + 1 of the rendezvous a rank last joined
+  std::vector<CallDesc> desc;
+
+  // p2p queues indexed src * n + dst (group ranks).
+  std::vector<std::deque<P2PEntry>> sends, recvs;
+
+  std::string rank_str(int r) const {
+    if (global[r] == r) return absl::StrCat("rank ", r);
+    return absl::StrCat("rank ", r, " (global rank ", global[r], ")");
+  }
+};
+
+}  // namespace
+
+class InProcessWorldState {
+ public:
+  InProcessWorldState(int size, InProcessOptions options) : size_(size), options_(std::move(options)) {
+    departed_.assign(static_cast<std::size_t>(size), false);
+    handed_.assign(static_cast<std::size_t>(size), false);
+    std::vector<int> ids;
+    for (int r = 0; r < size; ++r) ids.push_back(r);
+    absl::MutexLock lock(&mu_);
+    world_ = new_group_locked(options_.name, ids);
+  }
+
+  std::shared_ptr<GroupState> new_group_locked(const std::string& name, std::vector<int> global)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto g = std::make_shared<GroupState>();
+    g->id = static_cast<int>(groups_.size());
+    g->name = name;
+    g->n = static_cast<int>(global.size());
+    g->global = std::move(global);
+    g->arrived_for.assign(static_cast<std::size_t>(g->n), 0);
+    g->desc.resize(static_cast<std::size_t>(g->n));
+    g->sends.resize(static_cast<std::size_t>(g->n) * g->n);
+    g->recvs.resize(static_cast<std::size_t>(g->n) * g->n);
+    groups_.push_back(g);
+    return g;
+  }
+
+  // Records the first failure and fails every pending p2p Work.
+  void fail_locked(const absl::Status& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (failed_.load(std::memory_order_relaxed)) return;
+    failure_ = reason;
+    failed_.store(true, std::memory_order_release);
+    for (auto& g : groups_) {
+      for (auto* queues : {&g->sends, &g->recvs}) {
+        for (auto& q : *queues) {
+          for (auto& e : q) {
+            e.work->complete(absl::AbortedError(absl::StrCat(e.what, ": aborted because: ", reason.message())));
+          }
+          q.clear();
+        }
+      }
+    }
+  }
+
+  absl::Mutex mu_;
+  const int size_;
+  const InProcessOptions options_;
+  std::atomic<bool> failed_{false};
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> departed_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> handed_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<GroupState>> groups_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<GroupState>> subgroups_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<GroupState> world_;
+};
+
+namespace {
+
+class InProcessGroup final : public ProcessGroup {
+ public:
+  InProcessGroup(std::shared_ptr<InProcessWorldState> world, std::shared_ptr<GroupState> g, int me,
+                 absl::Duration default_timeout)
+      : ProcessGroup(me, g->n, g->name, g->global, default_timeout),
+        world_(std::move(world)),
+        g_(std::move(g)),
+        me_(me),
+        scratch_(world_->options_.chunk_bytes),
+        spin_(g_->n <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) {}
+
+  std::string backend_name() const override { return "in_process"; }
+
+  void abort(const absl::Status& reason) override {
+    absl::MutexLock lock(&world_->mu_);
+    world_->fail_locked(reason);
+  }
+
+ protected:
+  std::shared_ptr<Work> run(CollectiveCall call) override;
+  absl::StatusOr<std::shared_ptr<ProcessGroup>> make_subgroup(std::vector<int> members, const std::string& key,
+                                                              const std::string& name,
+                                                              absl::Duration default_timeout,
+                                                              absl::Time deadline) override;
+
+ private:
+  std::string where(const CollectiveCall& call) const {
+    return absl::StrCat(call.describe(), " on group '", g_->name, "', ", g_->rank_str(me_));
+  }
+  absl::Status aborted_locked(const CollectiveCall& call) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_) {
+    return absl::AbortedError(absl::StrCat(where(call), ": aborted because: ", world_->failure_.message()));
+  }
+  absl::Status rendezvous(const CollectiveCall& call, const CallDesc* desc);
+  absl::Status validate_locked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_);
+  void data_phase(const CollectiveCall& call);
+  std::shared_ptr<Work> run_p2p(CollectiveCall call);
+
+  std::shared_ptr<InProcessWorldState> world_;
+  std::shared_ptr<GroupState> g_;
+  int me_;
+  ReduceScratch scratch_;
+  bool spin_;
+  std::vector<const void*> srcs_;
+  std::vector<void*> dsts_;
+};
+
+absl::Status InProcessGroup::validate_locked() const {
+  const CollectiveCall& a = *g_->desc[0].call;
+  for (int r = 1; r < g_->n; ++r) {
+    const CollectiveCall& b = *g_->desc[r].call;
+    bool same = a.kind == b.kind && a.seq == b.seq && a.root == b.root;
+    if (same && a.kind != CollectiveKind::barrier) {
+      same = a.input.dtype() == b.input.dtype() && a.input.numel() == b.input.numel() &&
+             a.output.numel() == b.output.numel();
+    }
+    if (same && (a.kind == CollectiveKind::all_reduce || a.kind == CollectiveKind::reduce ||
+                 a.kind == CollectiveKind::reduce_scatter)) {
+      same = a.op.kind == b.op.kind && a.op.factor == b.op.factor;
+    }
+    if (!same) {
+      return absl::InvalidArgumentError(absl::StrCat("ranks disagree on collective #", a.seq, " of group '", g_->name,
+                                                     "': expected ", a.describe(), " (as ", g_->rank_str(0),
+                                                     "), found ", b.describe(), " on ", g_->rank_str(r)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status InProcessGroup::rendezvous(const CollectiveCall& call, const CallDesc* desc) {
+  GroupState& g = *g_;
+  std::uint64_t gen;
+  {
+    absl::MutexLock lock(&world_->mu_);
+    if (world_->failed_.load(std::memory_order_relaxed)) return aborted_locked(call);
+    gen = g.generation.load(std::memory_order_relaxed);
+    if (desc != nullptr) g.desc[me_] = *desc;
+    g.arrived_for[me_] = gen + 1;
+    if (++g.arrived == g.n) {
+      g.arrived = 0;
+      absl::Status st;
+      if (desc != nullptr && g.n > 1) st = validate_locked();
+      if (!st.ok()) world_->fail_locked(st);
+      g.generation.store(gen + 1, std::memory_order_release);
+      return st;
+    }
+  }
+  // Others are still coming. Spin briefly when every rank has a core (Note [in-process spin]), then block.
+  if (spin_) {
+    const absl::Time spin_until = absl::Now() + absl::Microseconds(50);
+    for (int i = 0;; ++i) {
+      if (g.generation.load(std::memory_order_acquire) != gen) break;
+      if ((i & 63) == 63 && absl::Now() > spin_until) break;
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
+  absl::MutexLock lock(&world_->mu_);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_) {
+    if (g.generation.load(std::memory_order_relaxed) != gen) return true;
+    if (world_->failed_.load(std::memory_order_relaxed)) return true;
+    for (int r = 0; r < g.n; ++r) {
+      if (g.arrived_for[r] != gen + 1 && world_->departed_[g.global[r]]) return true;
+    }
+    return false;
+  };
+  world_->mu_.AwaitWithDeadline(absl::Condition(&ready), call.deadline);
+  if (g.generation.load(std::memory_order_relaxed) != gen) {
+    // The rendezvous completed; at an enter point the group may have failed its agreement check.
+    if (desc != nullptr && world_->failed_.load(std::memory_order_relaxed)) return aborted_locked(call);
+    return absl::OkStatus();
+  }
+  if (world_->failed_.load(std::memory_order_relaxed)) return aborted_locked(call);
+  std::vector<std::string> departed, missing;
+  for (int r = 0; r < g.n; ++r) {
+    if (g.arrived_for[r] == gen + 1) continue;
+    missing.push_back(g.rank_str(r));
+    if (world_->departed_[g.global[r]]) departed.push_back(g.rank_str(r));
+  }
+  absl::Status st;
+  if (!departed.empty()) {
+    st = absl::AbortedError(absl::StrCat(where(call), ": ", absl::StrJoin(departed, ", "),
+                                         " returned from its function without joining it"));
+  } else {
+    st = absl::DeadlineExceededError(absl::StrCat(where(call), ": ", absl::StrJoin(missing, ", "),
+                                                  missing.size() == 1 ? " did" : " did", " not join within ",
+                                                  absl::FormatDuration(call.timeout)));
+  }
+  world_->fail_locked(st);
+  return st;
+}
+
+void InProcessGroup::data_phase(const CollectiveCall& call) {
+  const GroupState& g = *g_;
+  const int n = g.n;
+  if (call.kind == CollectiveKind::barrier || call.kind == CollectiveKind::send ||
+      call.kind == CollectiveKind::recv) {
+    return;
+  }
+  const DType dtype = call.input.dtype();
+  const std::size_t es = dtype_size(dtype);
+  switch (call.kind) {
+    case CollectiveKind::barrier:
+    case CollectiveKind::send:
+    case CollectiveKind::recv: return;
+    case CollectiveKind::broadcast: {
+      if (me_ != call.root && call.input.numel() > 0) {
+        std::memcpy(g.desc[me_].in, g.desc[call.root].in, call.input.nbytes());
+      }
+      return;
+    }
+    case CollectiveKind::all_reduce:
+    case CollectiveKind::reduce: {
+      const std::int64_t N = call.input.numel();
+      const std::int64_t b = N * me_ / n, e = N * (me_ + 1) / n;
+      if (e == b) return;
+      srcs_.clear();
+      dsts_.clear();
+      for (int s = 0; s < n; ++s) srcs_.push_back(g.desc[s].in + b * es);
+      if (call.kind == CollectiveKind::all_reduce) {
+        for (int s = 0; s < n; ++s) dsts_.push_back(g.desc[s].in + b * es);
+      } else {
+        dsts_.push_back(g.desc[call.root].in + b * es);
+      }
+      reduce_into(dtype, call.op, srcs_, dsts_, e - b, scratch_);
+      return;
+    }
+    case CollectiveKind::reduce_scatter: {
+      const std::int64_t m = call.output.numel();
+      if (m == 0) return;
+      srcs_.clear();
+      dsts_.clear();
+      for (int s = 0; s < n; ++s) srcs_.push_back(g.desc[s].in + me_ * m * es);
+      dsts_.push_back(g.desc[me_].out);
+      reduce_into(dtype, call.op, srcs_, dsts_, m, scratch_);
+      return;
+    }
+    case CollectiveKind::all_gather: {
+      const std::size_t bytes = call.input.nbytes();
+      if (bytes == 0) return;
+      for (int s = 0; s < n; ++s) {
+        char* dst = g.desc[me_].out + s * bytes;
+        const char* src = g.desc[s].in;
+        if (dst != src) std::memcpy(dst, src, bytes);
+      }
+      return;
+    }
+  }
+}
+
+std::shared_ptr<Work> InProcessGroup::run(CollectiveCall call) {
+  for (const Tensor* t : {&call.input, &call.output}) {
+    if (t->defined() && !t->device().is_cpu()) {
+      absl::Status st = absl::InvalidArgumentError(
+          absl::StrCat(where(call), ": expected CPU tensors (in-process backend), found ", t->describe()));
+      abort(st);
+      return make_completed_work(st);
+    }
+  }
+  if (call.kind == CollectiveKind::send || call.kind == CollectiveKind::recv) return run_p2p(std::move(call));
+  CallDesc desc;
+  desc.call = &call;
+  if (call.input.defined()) desc.in = static_cast<char*>(call.input.raw_data());
+  if (call.output.defined()) desc.out = static_cast<char*>(call.output.raw_data());
+  if (absl::Status st = rendezvous(call, &desc); !st.ok()) return make_completed_work(st);
+  if (call.kind == CollectiveKind::barrier || g_->n == 1) {
+    if (g_->n == 1) data_phase(call);  // e.g. all_gather / reduce_scatter copy (or reduce) into the output
+    return make_completed_work(absl::OkStatus());
+  }
+  data_phase(call);
+  return make_completed_work(rendezvous(call, nullptr));
+}
+
+std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {
+  const bool is_send = call.kind == CollectiveKind::send;
+  const int src = is_send ? me_ : call.peer, dst = is_send ? call.peer : me_;
+  const std::size_t idx = static_cast<std::size_t>(src) * g_->n + dst;
+  const std::string what = where(call);
+  auto world = world_;
+  auto g = g_;
+  auto work_holder = std::make_shared<std::weak_ptr<CompletionWork>>();
+  const int peer = call.peer;
+  const absl::Duration timeout = call.timeout;
+  auto on_deadline = [world, g, idx, is_send, what, work_holder, peer, timeout]() -> absl::Status {
+    absl::MutexLock lock(&world->mu_);
+    auto& q = is_send ? g->sends[idx] : g->recvs[idx];
+    auto self = work_holder->lock();
+    for (auto it = q.begin(); it != q.end(); ++it) {
+      if (it->work == self) {
+        q.erase(it);
+        absl::Status st = absl::DeadlineExceededError(absl::StrCat(what, ": ", g->rank_str(peer),
+                                                                   " did not post the matching ",
+                                                                   is_send ? "recv" : "send", " within ",
+                                                                   absl::FormatDuration(timeout)));
+        world->fail_locked(st);
+        return st;
+      }
+    }
+    return absl::OkStatus();  // already matched (or failed): complete() ignores this
+  };
+  auto work = std::make_shared<CompletionWork>(call.deadline, on_deadline);
+  *work_holder = work;
+
+  absl::MutexLock lock(&world_->mu_);
+  if (world_->failed_.load(std::memory_order_relaxed)) {
+    work->complete(aborted_locked(call));
+    return work;
+  }
+  auto& other = is_send ? g_->recvs[idx] : g_->sends[idx];
+  if (other.empty()) {
+    if (world_->departed_[g_->global[call.peer]]) {
+      absl::Status st = absl::AbortedError(absl::StrCat(what, ": ", g_->rank_str(call.peer),
+                                                        " returned from its function without a matching ",
+                                                        is_send ? "recv" : "send"));
+      world_->fail_locked(st);
+      work->complete(st);
+      return work;
+    }
+    auto& mine = is_send ? g_->sends[idx] : g_->recvs[idx];
+    mine.push_back(P2PEntry{call.input, work, what});
+    return work;
+  }
+  P2PEntry peer_entry = std::move(other.front());
+  other.pop_front();
+  const Tensor& send_t = is_send ? call.input : peer_entry.tensor;
+  const Tensor& recv_t = is_send ? peer_entry.tensor : call.input;
+  if (send_t.dtype() != recv_t.dtype() || send_t.numel() != recv_t.numel()) {
+    absl::Status st = absl::InvalidArgumentError(
+        absl::StrCat("send from ", g_->rank_str(src), " to ", g_->rank_str(dst), " on group '", g_->name,
+                     "': expected the recv to match ", send_t.describe(), ", found ", recv_t.describe()));
+    world_->fail_locked(st);
+    peer_entry.work->complete(st);
+    work->complete(st);
+    return work;
+  }
+  // Copy under the lock: keeps the deadline path simple (Note [in-process p2p]); p2p is rare and small.
+  if (send_t.nbytes() > 0) std::memcpy(recv_t.raw_data(), send_t.raw_data(), send_t.nbytes());
+  peer_entry.work->complete(absl::OkStatus());
+  work->complete(absl::OkStatus());
+  return work;
+}
+
+absl::StatusOr<std::shared_ptr<ProcessGroup>> InProcessGroup::make_subgroup(std::vector<int> members,
+                                                                            const std::string& key,
+                                                                            const std::string& name,
+                                                                            absl::Duration default_timeout,
+                                                                            absl::Time deadline) {
+  std::vector<int> global;
+  int my_index = -1;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    global.push_back(g_->global[members[i]]);
+    if (members[i] == me_) my_index = static_cast<int>(i);
+  }
+  SK_CHECK_GE(my_index, 0) << "make_subgroup on a non-member";
+  std::shared_ptr<GroupState> gs;
+  {
+    absl::MutexLock lock(&world_->mu_);
+    if (world_->failed_.load(std::memory_order_relaxed)) {
+      return absl::AbortedError(absl::StrCat("creating sub-group '", name, "' of group '", g_->name,
+                                             "': aborted because: ", world_->failure_.message()));
+    }
+    const std::string full_key = absl::StrCat(g_->id, "/", key);
+    auto it = world_->subgroups_.find(full_key);
+    if (it == world_->subgroups_.end()) {
+      gs = world_->new_group_locked(name, global);
+      world_->subgroups_.emplace(full_key, gs);
+    } else {
+      gs = it->second;
+    }
+  }
+  return std::shared_ptr<ProcessGroup>(std::make_shared<InProcessGroup>(world_, gs, my_index, default_timeout));
+}
+
+}  // namespace
+
+// ---- InProcessWorld ----------------------------------------------------------------------------
+
+std::shared_ptr<InProcessWorld> InProcessWorld::create(int size, const InProcessOptions& options) {
+  SK_CHECK_GT(size, 0);
+  return std::shared_ptr<InProcessWorld>(new InProcessWorld(std::make_shared<InProcessWorldState>(size, options)));
+}
+
+InProcessWorld::InProcessWorld(std::shared_ptr<InProcessWorldState> state) : state_(std::move(state)) {}
+InProcessWorld::~InProcessWorld() = default;
+
+int InProcessWorld::size() const { return state_->size_; }
+
+std::shared_ptr<ProcessGroup> InProcessWorld::group(int rank) {
+  SK_CHECK(rank >= 0 && rank < state_->size_) << "rank " << rank << " of " << state_->size_;
+  {
+    absl::MutexLock lock(&state_->mu_);
+    SK_CHECK(!state_->handed_[rank]) << "InProcessWorld::group(" << rank << ") called twice";
+    state_->handed_[rank] = true;
+  }
+  return std::make_shared<InProcessGroup>(state_, state_->world_, rank, state_->options_.default_timeout);
+}
+
+void InProcessWorld::abort(const absl::Status& reason) {
+  absl::MutexLock lock(&state_->mu_);
+  state_->fail_locked(reason);
+}
+
+void InProcessWorld::mark_departed(int rank) {
+  absl::MutexLock lock(&state_->mu_);
+  state_->departed_[rank] = true;
+  // Pending p2p calls waiting for this rank can never be matched.
+  for (auto& g : state_->groups_) {
+    for (int r = 0; r < g->n; ++r) {
+      if (g->global[r] != rank) continue;
+      for (int other = 0; other < g->n; ++other) {
+        if (other == r) continue;
+        const std::size_t to_r = static_cast<std::size_t>(other) * g->n + r;    // sends waiting for r's recv
+        const std::size_t from_r = static_cast<std::size_t>(r) * g->n + other;  // recvs waiting for r's send
+        const P2PEntry* e = !g->sends[to_r].empty() ? &g->sends[to_r].front()
+                            : !g->recvs[from_r].empty() ? &g->recvs[from_r].front()
+                                                       : nullptr;
+        if (e != nullptr) {
+          state_->fail_locked(absl::AbortedError(
+              absl::StrCat(e->what, ": ", g->rank_str(r), " returned from its function without matching it")));
+          return;
+        }
+      }
+    }
+  }
+}
+
+absl::Status InProcessWorld::status() const {
+  absl::MutexLock lock(&state_->mu_);
+  return state_->failure_;
+}
+
+}  // namespace shardkit::comm

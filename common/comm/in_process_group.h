@@ -1,0 +1,80 @@
+// The in-process backend: ranks are threads of one process sharing memory (DESIGN.md section 2). Used by
+// the simulated-rank test harness (testing/run_ranks.h) and by single-machine runs.
+//
+// Usage: create one InProcessWorld for n ranks, then have thread r take world->group(r) (once) and use it
+// as its ProcessGroup.
+//
+// Algorithms (Note [in-process collectives]): a collective is executed in the calling thread and the
+// returned Work is already complete. Every call is two rendezvous points with the group's other ranks:
+//   enter: each rank publishes its call (kind, dtype, sizes, buffer addresses); the last to arrive checks
+//          that all ranks agree and fails the group if not;
+//   data:  each rank moves its share straight from/to its peers' buffers (no staging copy):
+//            all_reduce:     rank r reduces slice r of every rank's buffer (in rank order, chunked through
+//                            a cache-sized f32 accumulator) and writes the result into slice r of EVERY
+//                            rank's buffer: each rank reads and writes 1/n of the total, n·(N/n) = N
+//                            elements, so the cost is one memcpy of the tensor per rank, run in parallel.
+//            reduce:         the same, writing only into the root's buffer.
+//            reduce_scatter: rank r reduces slice r of every rank's input into its output.
+//            all_gather:     rank r copies every rank's input into its output.
+//            broadcast:      every non-root copies the root's buffer.
+//   leave: nobody returns (and so nobody touches its buffers again) until every rank finished reading.
+// Slices of a tensor of N elements: slice r = [N·r/n, N·(r+1)/n).
+// Send/recv: a send and its matching recv meet in a per-pair queue; whichever is issued second copies
+// the bytes and completes both Works (so both are asynchronous and never deadlock each other).
+//
+// Failure (process_group.h, Note [group failure]): the whole world shares one failure state. The first
+// failure (a deadline passing, ranks disagreeing, a rank's abort(), InProcessWorld::abort(), or a rank
+// leaving while others wait for it) aborts every group of the world: every pending and later call of
+// every rank fails with a Status naming the origin rank and operation.
+//
+// Thread-safety: InProcessWorld's methods may be called from any thread. Each group handle follows the
+// ProcessGroup contract (one thread issues its calls).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/comm/process_group.h"
+
+namespace shardkit::comm {
+
+struct InProcessOptions {
+  // Each group handle's default call timeout (process_group.h options).
+  absl::Duration default_timeout = absl::Minutes(5);
+  // Bytes of the f32 accumulator a reduction goes through per step. Tests set it tiny (e.g. 16) so the
+  // multi-chunk paths run on small tensors.
+  std::int64_t chunk_bytes = 128 * 1024;
+  // Name of the world group in error messages.
+  std::string name = "world";
+};
+
+class InProcessWorldState;
+
+class InProcessWorld {
+ public:
+  static std::shared_ptr<InProcessWorld> create(int size, const InProcessOptions& options = {});
+  ~InProcessWorld();
+
+  int size() const;
+  // Rank r's handle on the world group. Call once per rank (a second call for r is an SK_CHECK failure).
+  std::shared_ptr<ProcessGroup> group(int rank);
+
+  // Fails every pending and later call of every rank on every group of this world with `reason` (the
+  // first reason wins). Idempotent.
+  void abort(const absl::Status& reason);
+  // Declares that world rank `rank` will issue no more calls (its thread is done): calls of other ranks
+  // that wait for it fail at once, naming it, instead of waiting for their deadline. The harness calls
+  // this when a rank's function returns.
+  void mark_departed(int rank);
+  // OK, or the first failure.
+  absl::Status status() const;
+
+ private:
+  explicit InProcessWorld(std::shared_ptr<InProcessWorldState> state);
+  std::shared_ptr<InProcessWorldState> state_;
+};
+
+}  // namespace shardkit::comm
