@@ -15,13 +15,13 @@ template <typename G>
 inline float load(const G* g, std::int64_t i) {
   if constexpr (std::is_same_v<G, float>) return g[i];
   else if constexpr (std::is_same_v<G, bf16_t>) return bf16_to_f32(g[i]);
-  else return f16_to_f32(g[i]);
+  else return f16_bits_to_f32(g[i].bits);
 }
 
 template <typename P>
 inline void store(P* p, std::int64_t i, float x) {
   if constexpr (std::is_same_v<P, bf16_t>) p[i] = bf16_t{round_to_bf16_bits(x)};
-  else if constexpr (std::is_same_v<P, f16_t>) p[i] = f32_to_f16(x);
+  else if constexpr (std::is_same_v<P, f16_t>) p[i] = f16_t{round_to_f16_bits(x)};
 }
 
 // Note [fused loop shape]

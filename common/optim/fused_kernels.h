@@ -5,12 +5,15 @@
 // writes w, the state buffers and, when the parameter is bf16/f16, the parameter rounded to nearest even.
 // For fp32 AdamW that is 4 streams read and 3 written, 28 bytes per element, which is all the memory
 // traffic the algorithm needs (DESIGN.md section 9). The loops are written so gcc vectorises them with
-// -fno-math-errno (Note [no-math-errno] in cmake/ShardkitHelpers.cmake); check with -fopt-info-vec-optimized.
+// -fno-math-errno (Note [no-math-errno] in cmake/ShardkitHelpers.cmake) and, for the f16 conversions,
+// -fno-trapping-math (Note [no-trapping-math] in common/optim/CMakeLists.txt). Checked with
+// -fopt-info-vec-optimized: all 9 (param, grad) dtype pairs of Adam and all 27 SGD variants vectorise.
 //
 // Arithmetic is fp32; the coefficients are computed once per call in double (coeffs functions below) and
 // rounded to fp32. Pointers must not overlap (except as documented). Thread-safety: pure functions.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 
 #include "common/optim/param_group.h"
@@ -73,6 +76,33 @@ inline std::uint16_t round_to_bf16_bits(float f) {
   const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
   const std::uint32_t quiet_nan = (x >> 16) | 0x40u;
   return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+// fp32 -> f16 round to nearest even (subnormals, overflow to infinity), branch-free; bit-identical to
+// f32_to_f16 (dtype.h), NaN included (a quiet NaN with the sign kept).
+inline std::uint16_t round_to_f16_bits(float f) {
+  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  // Normal results: rebias the exponent 127 -> 15 and round to nearest even (wraps mod 2^32 on purpose).
+  const std::uint32_t normal = (x + 0xc8000fffu + ((x >> 13) & 1u)) >> 13;
+  // Subnormal results: the fp32 addition of 0.5 rounds to the half's unit (2^-24) for us.
+  const std::uint32_t sub = std::bit_cast<std::uint32_t>(std::bit_cast<float>(x) + 0.5f) - 0x3f000000u;
+  std::uint32_t r = x < 0x38800000u ? sub : normal;
+  r = x >= 0x477ff000u ? 0x7c00u : r;  // >= 65520 and infinity
+  r = x > 0x7f800000u ? 0x7e00u : r;   // NaN
+  return static_cast<std::uint16_t>(sign | r);
+}
+
+// f16 -> fp32 (exact), branch-free; bit-identical to f16_to_f32 (dtype.h).
+inline float f16_bits_to_f32(std::uint16_t h) {
+  const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16;
+  const std::uint32_t em = std::uint32_t{h} & 0x7fffu;
+  const std::uint32_t normal = (em << 13) + 0x38000000u;                    // rebias exponent 15 -> 127
+  const std::uint32_t inf_nan = 0x7f800000u | ((em & 0x3ffu) << 13);
+  const std::uint32_t sub = std::bit_cast<std::uint32_t>(static_cast<float>(em) * 5.9604644775390625e-8f);  // em * 2^-24
+  const std::uint32_t r = em >= 0x7c00u ? inf_nan : (em < 0x400u ? sub : normal);
+  return std::bit_cast<float>(sign | r);
 }
 
 }  // namespace shardkit::optim::fused

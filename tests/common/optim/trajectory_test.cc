@@ -233,17 +233,27 @@ TEST(FusedKernelTest, AdamWOneStepAtManySizes) {
   }
 }
 
-TEST(FusedKernelTest, BranchFreeBf16RoundingMatchesDtypeConversion) {
+TEST(FusedKernelTest, BranchFreeRoundingMatchesDtypeConversions) {
   // Every 2^32 / 2^22 pattern, plus the neighbourhood of rounding ties and the special values.
   std::vector<std::uint32_t> bits;
   for (std::uint64_t x = 0; x < (1ull << 32); x += 1021) bits.push_back(static_cast<std::uint32_t>(x));
   for (std::uint32_t hi : {0x3f80u, 0x3f81u, 0x7f7fu, 0x0000u, 0x8000u, 0xbf80u}) {
     for (std::uint32_t lo : {0x7fffu, 0x8000u, 0x8001u, 0xffffu, 0x0000u, 0x0001u}) bits.push_back(hi << 16 | lo);
   }
+  // f16 boundaries: smallest normal, subnormal ties, overflow threshold 65520.
+  for (std::uint32_t c : {0x38800000u, 0x387fffffu, 0x33000000u, 0x33000001u, 0x477ff000u, 0x477fefffu, 0x477fe000u}) {
+    for (std::uint32_t d = 0; d < 8; ++d) bits.push_back(c + d - 4), bits.push_back((c + d - 4) | 0x80000000u);
+  }
   for (std::uint32_t s : {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0xffffffffu, 0x7f7fffffu}) bits.push_back(s);
   for (std::uint32_t b : bits) {
     const float f = std::bit_cast<float>(b);
     ASSERT_EQ(fused::round_to_bf16_bits(f), f32_to_bf16(f).bits) << std::hex << b;
+    ASSERT_EQ(fused::round_to_f16_bits(f), f32_to_f16(f).bits) << std::hex << b;
+  }
+  for (std::uint32_t h = 0; h < 0x10000u; ++h) {  // every f16
+    const float a = fused::f16_bits_to_f32(static_cast<std::uint16_t>(h));
+    const float b = f16_to_f32(f16_t{static_cast<std::uint16_t>(h)});
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(a), std::bit_cast<std::uint32_t>(b)) << std::hex << h;
   }
 }
 
