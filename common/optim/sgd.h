@@ -3,6 +3,10 @@
 // parameter has stepped with momentum != 0; none otherwise. Like PyTorch, the first step with momentum
 // sets the buffer to the gradient (no dampening), and a buffer is created lazily if momentum is switched
 // on mid-run.
+//
+// maximize negates the gradient before weight decay and momentum, as PyTorch's implementation does (and as
+// its Adam/AdamW documentation states); the SGD documentation box instead flips the sign of the final
+// update, which differs only when weight_decay != 0 (the decay then still shrinks the weights here).
 #pragma once
 
 #include <memory>
