@@ -1,0 +1,122 @@
+// TcpProcessGroup: the ProcessGroup (process_group.h) over TCP sockets, for ranks that are processes on
+// one or many hosts (DESIGN.md section 2, issue 4 item 4). Bootstrapped through a Store (normally a
+// TcpStore, see init_from_env.h).
+//
+// Topology: a full mesh, one TCP connection per pair of ranks (a pair's connection carries both
+// directions; point-to-point and collectives share it, ordered by the contract in process_group.h).
+//
+// Algorithms (Note [tcp ring pipeline] in tcp_process_group.cc):
+//   all_reduce      ring reduce-scatter then ring all-gather, each step split into chunks of chunk_bytes
+//                   and pipelined: a chunk is forwarded as soon as it has arrived (and been reduced)
+//   reduce_scatter  ring reduce-scatter on the input (the input is used as scratch, as the contract allows)
+//   all_gather      ring all-gather in the output
+//   broadcast       chunked chain root -> root+1 -> ... -> root-1
+//   reduce          chunked chain root+1 -> ... -> root-1 -> root (non-root tensors are used as scratch)
+//   barrier         a 1-byte-per-rank ring all-gather
+//   send / recv     the pair's connection
+// bf16 / f16 partial sums are computed in f32 and rounded to the tensor dtype at every hop (the
+// contract allows it); every rank ends with bit-identical results (the all-gather copies bytes).
+// Every call starts with a 32-byte header to the peers it sends to (kind, dtype, op, root, seq, numel):
+// ranks that disagree fail with InvalidArgument naming both calls instead of exchanging garbage.
+//
+// Asynchrony: calls are queued to one communication thread per group and return at once; Work completes
+// from that thread, so compute overlaps communication.
+// Failure: a peer that closes its connection (process died, SIGKILL, abort) or misses the call's deadline
+// fails the call on every rank within the deadline, naming the peer rank and the operation; the group is
+// then aborted (Note [group failure]): its sockets are shut down so the other ranks notice at once, and the
+// reason is posted to the store under "<store_prefix>/abort" so ranks further away quote the origin.
+//
+// Thread-safety: as ProcessGroup. Destruction fails pending calls (Aborted) and joins the thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/comm/completion_work.h"
+#include "common/comm/process_group.h"
+#include "common/comm/store.h"
+#include "common/comm/tcp_socket.h"
+
+namespace shardkit::comm {
+
+struct TcpProcessGroupOptions {
+  // Address the other ranks use to reach this rank (published through the store); also bound.
+  std::string listen_host = "127.0.0.1";
+  // Store keys of this group live under this prefix; two groups on one store need different prefixes.
+  std::string store_prefix = "tcp_pg";
+  std::string name = "world";
+  // Default deadline of each call (CollectiveCall::timeout when the options leave it empty).
+  absl::Duration default_timeout = absl::Seconds(300);
+  // Deadline for connecting the mesh in create().
+  absl::Duration connect_timeout = absl::Seconds(120);
+  // Pipelining granularity. Production: 1 MiB; tests use tiny values so multi-chunk paths run on small
+  // tensors. Rounded down to a whole number of elements (at least one).
+  std::size_t chunk_bytes = 1u << 20;
+  // Socket send / receive buffer sizes (0: kernel default, which autotunes).
+  int socket_buffer_bytes = 0;
+  // Busy-poll this long before blocking in poll(2) (DESIGN.md section 9).
+  absl::Duration spin = absl::Microseconds(30);
+};
+
+class TcpProcessGroup final : public ProcessGroup {
+ public:
+  // Connects rank `rank` of `size` to its peers through `store` (every rank calls it with the same
+  // prefix). Fails with DeadlineExceeded naming the ranks that did not show up.
+  static absl::StatusOr<std::shared_ptr<TcpProcessGroup>> create(std::shared_ptr<Store> store, int rank, int size,
+                                                                 TcpProcessGroupOptions options = {});
+  ~TcpProcessGroup() override;
+
+  std::string backend_name() const override { return "tcp"; }
+  void abort(const absl::Status& reason) override;
+  const TcpProcessGroupOptions& options() const { return options_; }
+
+  struct Impl;  // implementation detail, public only for the .cc's helpers
+
+ protected:
+  std::shared_ptr<Work> run(CollectiveCall call) override;
+  absl::StatusOr<std::shared_ptr<ProcessGroup>> make_subgroup(std::vector<int> members, const std::string& key,
+                                                              const std::string& name, absl::Duration default_timeout,
+                                                              absl::Time deadline) override;
+
+ private:
+  TcpProcessGroup(std::shared_ptr<Store> store, int rank, int size, std::vector<int> global_ranks,
+                  TcpProcessGroupOptions options);
+  absl::Status connect_mesh(absl::Time deadline);
+  void comm_loop();
+  absl::Status execute(const CollectiveCall& call);
+  // Shuts every socket down (wakes the comm thread and tells the peers).
+  void shutdown_sockets();
+  // Records `reason` as the group's failure (first wins) and posts it to the store.
+  absl::Status fail_group(const absl::Status& reason, bool post);
+  std::string progress_note() const;
+
+  std::shared_ptr<Store> store_;
+  TcpProcessGroupOptions options_;
+  std::vector<tcp::Socket> peers_;          // by group rank; peers_[rank()] invalid
+  std::vector<std::int64_t> sends_to_;      // p2p sequence numbers per peer (comm thread only)
+  std::vector<std::int64_t> recvs_from_;
+  std::unique_ptr<Impl> impl_;              // scratch + stream state (comm thread only)
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  struct Item {
+    CollectiveCall call;
+    std::shared_ptr<CompletionWork> work;
+  };
+  std::deque<Item> queue_;                  // guarded by mu_
+  bool stopping_ = false;                   // guarded by mu_
+  absl::Status failure_;                    // guarded by mu_; first failure of the group
+  std::string current_;                     // guarded by mu_; what the comm thread is waiting for
+  std::thread thread_;
+};
+
+}  // namespace shardkit::comm

@@ -1,0 +1,96 @@
+// The TCP backend with ranks as processes started by tools/shardrun and init_from_env(): the collective
+// matrix at n = 2, 3, 4, and a rank SIGKILLed mid-all_reduce (every other rank reports an error naming it
+// within its deadline and shardrun exits non-zero). Also init_from_env's environment parsing.
+#include <string>
+
+#include "common/comm/init_from_env.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/tools/subprocess.h"
+
+namespace shardkit::comm {
+namespace {
+
+using ::testing::HasSubstr;
+using shardkit::testing::run_command;
+
+const std::string kShardrun = SHARDRUN_PATH;
+const std::string kWorker = TCP_WORKER_PATH;
+
+class TcpProcesses : public ::testing::TestWithParam<int> {};
+
+TEST_P(TcpProcesses, CollectiveMatrixThroughShardrun) {
+  const int n = GetParam();
+  auto r = run_command({kShardrun, "--nproc", std::to_string(n), "--", kWorker, "matrix"}, 240);
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (int rank = 0; rank < n; ++rank) {
+    EXPECT_THAT(r.out, HasSubstr("[rank " + std::to_string(rank) + "] MATRIX OK rank " + std::to_string(rank) +
+                                 " of " + std::to_string(n)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, TcpProcesses, ::testing::Values(2, 3, 4));
+
+TEST(TcpProcesses, SigkilledRankIsNamedByEveryOtherRank) {
+  auto r = run_command({kShardrun, "--nproc", "3", "--grace-seconds", "30", "--", kWorker, "kill", "1", "3"}, 120);
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;  // rank 1's SIGKILL is the first failure
+  for (int rank : {0, 2}) {
+    const std::string prefix = "[rank " + std::to_string(rank) + "] ERROR";
+    const auto pos = r.out.find(prefix);
+    ASSERT_NE(pos, std::string::npos) << r.out << r.err;
+    const std::string line = r.out.substr(pos, r.out.find('\n', pos) - pos);
+    EXPECT_THAT(line, HasSubstr("rank 1"));
+    EXPECT_THAT(line, HasSubstr("all_reduce"));
+    // Within the call's 10 s deadline.
+    EXPECT_LT(std::atoi(line.c_str() + prefix.size() + 1), 10000) << line;
+  }
+}
+
+TEST(InitFromEnv, ParsesTheTorchrunVariables) {
+  auto env = parse_rank_env([](const char* name) -> const char* {
+    const std::string n = name;
+    if (n == "RANK") return "2";
+    if (n == "WORLD_SIZE") return "4";
+    if (n == "MASTER_ADDR") return "10.0.0.1";
+    if (n == "MASTER_PORT") return "29500";
+    return nullptr;
+  });
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_EQ(env->rank, 2);
+  EXPECT_EQ(env->world_size, 4);
+  EXPECT_EQ(env->local_rank, 2);  // defaults to RANK
+  EXPECT_EQ(env->master_addr, "10.0.0.1");
+  EXPECT_EQ(env->master_port, 29500);
+}
+
+TEST(InitFromEnv, NamesTheMissingOrInvalidVariable) {
+  auto with = [](std::string rank, std::string world, std::string port, const char* addr) {
+    return parse_rank_env([=](const char* name) -> const char* {
+      const std::string n = name;
+      if (n == "RANK") return rank.empty() ? nullptr : rank.c_str();
+      if (n == "WORLD_SIZE") return world.empty() ? nullptr : world.c_str();
+      if (n == "MASTER_PORT") return port.empty() ? nullptr : port.c_str();
+      if (n == "MASTER_ADDR") return addr;
+      return nullptr;
+    });
+  };
+  EXPECT_THAT(std::string(with("0", "", "1", "h").status().message()),
+              HasSubstr("expected environment variable WORLD_SIZE to be an integer >= 1, found it unset"));
+  EXPECT_THAT(std::string(with("7", "4", "1", "h").status().message()),
+              HasSubstr("expected environment variable RANK to be an integer in [0, WORLD_SIZE=4), found '7'"));
+  EXPECT_THAT(std::string(with("x", "4", "1", "h").status().message()), HasSubstr("RANK"));
+  EXPECT_THAT(std::string(with("0", "4", "70000", "h").status().message()),
+              HasSubstr("MASTER_PORT to be a port number in [1, 65535], found '70000'"));
+  EXPECT_THAT(std::string(with("0", "4", "1", nullptr).status().message()), HasSubstr("MASTER_ADDR"));
+}
+
+TEST(InitFromEnv, FailsCleanlyWithoutTheEnvironment) {
+  auto r = run_command({kWorker, "matrix"}, 30);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.out, HasSubstr("INIT FAILED: INVALID_ARGUMENT: init_from_env: expected environment variable WORLD_SIZE"));
+}
+
+}  // namespace
+}  // namespace shardkit::comm

@@ -1,0 +1,183 @@
+// TcpProcessGroup with ranks as threads of this process, over real loopback sockets and a real TcpStore:
+// every collective x op x dtype against a scalar reference (n = 2, 3, 4; sizes 0, 1, 7 and 1,000,003; a tiny
+// chunk size so the multi-chunk pipeline runs on small tensors), asynchrony, disagreement between ranks and
+// the fault cases (a peer that disconnects, a rank that stops calling), each bounded in time.
+// The same matrix runs with ranks as processes through shardrun in tcp_multiprocess_test.cc.
+#include "common/comm/tcp_process_group.h"
+
+#include <atomic>
+#include <functional>
+#include <thread>
+
+#include "common/comm/tcp_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/common/comm/tcp_test_util.h"
+
+namespace shardkit::comm {
+namespace {
+
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+using tcp_testing::run_collective_matrix;
+
+// Runs fn(rank, group) on n threads, each with its own store client and TCP group.
+void run_tcp_ranks(int n, TcpProcessGroupOptions options, const std::function<void(int, std::shared_ptr<TcpProcessGroup>&)>& fn) {
+  TcpStoreOptions so;
+  so.is_server = true;
+  auto server = TcpStore::create(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::uint16_t port = (*server)->port();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      TcpStoreOptions co;
+      co.port = port;
+      auto store = TcpStore::create(co);
+      ASSERT_TRUE(store.ok()) << store.status();
+      auto pg = TcpProcessGroup::create(std::shared_ptr<Store>(std::move(*store)), r, n, options);
+      ASSERT_TRUE(pg.ok()) << pg.status();
+      fn(r, *pg);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TcpProcessGroupOptions small_chunks() {
+  TcpProcessGroupOptions o;
+  o.chunk_bytes = 24;  // 6 f32 / 12 bf16 / 3 i64 elements: multi-chunk and ragged last chunks
+  o.default_timeout = absl::Seconds(60);
+  return o;
+}
+
+class TcpCollectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(TcpCollectives, EveryCollectiveOpAndDtypeMatchesTheReference) {
+  const int n = GetParam();
+  run_tcp_ranks(n, small_chunks(), [&](int, std::shared_ptr<TcpProcessGroup>& pg) {
+    auto errors = run_collective_matrix(*pg, {0, 1, 7, 61}, {DType::f32, DType::bf16, DType::f16, DType::i64});
+    EXPECT_THAT(errors, ::testing::IsEmpty());
+  });
+}
+
+TEST_P(TcpCollectives, LargeTensorsWithTheDefaultChunk) {
+  const int n = GetParam();
+  TcpProcessGroupOptions o;
+  o.default_timeout = absl::Seconds(60);
+  run_tcp_ranks(n, o, [&](int, std::shared_ptr<TcpProcessGroup>& pg) {
+    auto errors = run_collective_matrix(*pg, {1000003}, {DType::f32}, /*all_ops=*/false);
+    EXPECT_THAT(errors, ::testing::IsEmpty());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, TcpCollectives, ::testing::Values(2, 3, 4));
+
+TEST(TcpProcessGroup, OneRankGroupIsLocal) {
+  run_tcp_ranks(1, {}, [&](int, std::shared_ptr<TcpProcessGroup>& pg) {
+    auto errors = run_collective_matrix(*pg, {0, 7}, {DType::f32, DType::i64});
+    EXPECT_THAT(errors, ::testing::IsEmpty());
+  });
+}
+
+TEST(TcpProcessGroup, CallsAreAsynchronousAndCompleteInOrder) {
+  run_tcp_ranks(3, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    std::vector<Tensor> ts;
+    std::vector<std::shared_ptr<Work>> works;
+    for (int k = 0; k < 8; ++k) {
+      ts.push_back(Tensor::full({1000}, r + k, {}));
+      works.push_back(pg->all_reduce(ts.back()));  // issued without waiting
+    }
+    for (int k = 0; k < 8; ++k) {
+      ASSERT_TRUE(works[static_cast<std::size_t>(k)]->wait(absl::Seconds(30)).ok());
+      EXPECT_TRUE(works[static_cast<std::size_t>(k)]->is_completed());
+      EXPECT_EQ(ts[static_cast<std::size_t>(k)].item_at(999), 0 + 1 + 2 + 3 * k);
+    }
+    // Counters follow the ring-equivalent definition (comm_counters.h).
+    const auto c = pg->counters().of(CollectiveKind::all_reduce);
+    EXPECT_EQ(c.calls, 8);
+    EXPECT_EQ(c.bytes_sent, 8 * (2 * 2 * 4000 / 3));
+  });
+}
+
+TEST(TcpProcessGroup, SubGroupsFromRankLists) {
+  run_tcp_ranks(4, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    auto sub = pg->new_group(std::vector<int>{1, 3});
+    ASSERT_TRUE(sub.ok()) << sub.status();
+    if (r == 1 || r == 3) {
+      ASSERT_NE(*sub, nullptr);
+      EXPECT_EQ((*sub)->size(), 2);
+      Tensor t = Tensor::full({5}, r, {});
+      ASSERT_TRUE((*sub)->all_reduce(t)->wait().ok());
+      EXPECT_EQ(t.item_at(4), 4);
+    } else {
+      EXPECT_EQ(*sub, nullptr);
+    }
+    ASSERT_TRUE(pg->barrier()->wait().ok());
+  });
+}
+
+TEST(TcpProcessGroup, RanksThatDisagreeFailWithBothCalls) {
+  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    Tensor t = Tensor::zeros({r == 0 ? 10 : 12}, {});
+    absl::Status st = pg->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(10)))->wait();
+    ASSERT_FALSE(st.ok());
+    EXPECT_THAT(std::string(st.message()), AnyOf(HasSubstr("ranks disagree"), HasSubstr("the group failed")));
+    EXPECT_THAT(std::string(st.message()), HasSubstr("numel 1"));
+    // Later calls fail at once, quoting the origin.
+    absl::Status later = pg->barrier()->wait(absl::Seconds(10));
+    EXPECT_FALSE(later.ok());
+  });
+}
+
+TEST(TcpProcessGroup, APeerThatDisconnectsFailsEveryRankNamingIt) {
+  const absl::Time start = absl::Now();
+  run_tcp_ranks(4, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    if (r == 2) {
+      pg.reset();  // rank 2 goes away: its connections close
+      return;
+    }
+    Tensor t = Tensor::full({100000}, 1, {});
+    absl::Status st = pg->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(20)))->wait();
+    ASSERT_FALSE(st.ok());
+    EXPECT_THAT(std::string(st.message()), HasSubstr("rank 2")) << "rank " << r << ": " << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("all_reduce"));
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+}
+
+TEST(TcpProcessGroup, ARankThatStopsCallingFailsTheOthersAtTheDeadline) {
+  const absl::Time start = absl::Now();
+  std::atomic<int> done{0};
+  run_tcp_ranks(3, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    if (r == 2) {
+      // Stays connected but never calls; leaves once the others have their errors.
+      while (done.load() < 2) std::this_thread::yield();
+      return;
+    }
+    Tensor t = Tensor::full({1000}, 1, {});
+    absl::Status st = pg->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Milliseconds(500)))->wait();
+    ++done;
+    ASSERT_FALSE(st.ok());
+    EXPECT_THAT(st.code(), AnyOf(absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kAborted,
+                                 absl::StatusCode::kUnavailable));
+    if (r == 0) {
+      EXPECT_THAT(std::string(st.message()), HasSubstr("rank 2"));  // rank 0 receives from rank 2
+    }
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+TEST(TcpProcessGroup, AbortFailsPendingAndLaterCallsWithTheReason) {
+  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    if (r == 0) pg->abort(absl::CancelledError("user stopped rank 0"));
+    Tensor t = Tensor::full({10}, 1, {});
+    absl::Status st = pg->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(10)))->wait();
+    ASSERT_FALSE(st.ok());
+    if (r == 0) {
+      EXPECT_THAT(std::string(st.message()), HasSubstr("user stopped rank 0"));
+    }
+  });
+}
+
+}  // namespace
+}  // namespace shardkit::comm

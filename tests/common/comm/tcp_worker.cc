@@ -1,0 +1,63 @@
+// A rank program for the multi-process TCP tests, launched by shardrun (tcp_multiprocess_test.cc).
+//   tcp_worker matrix          every collective x op x dtype against the reference; prints "MATRIX OK"
+//   tcp_worker kill V K        all_reduce of 4 MiB in a loop; rank V SIGKILLs itself right after issuing
+//                              call K (mid-all_reduce); the others print "ERROR <ms> ms: <status>" and exit 3
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "common/comm/init_from_env.h"
+#include "tests/common/comm/tcp_test_util.h"
+
+using namespace shardkit;
+using namespace shardkit::comm;
+
+int main(int argc, char** argv) {
+  if (argc < 2) return 64;
+  const std::string mode = argv[1];
+  InitFromEnvOptions options;
+  options.group.default_timeout = absl::Seconds(30);
+  if (mode == "matrix") options.group.chunk_bytes = 24;
+  if (mode == "kill") {
+    ::signal(SIGTERM, SIG_IGN);  // report our error even though shardrun starts stopping us
+    options.group.default_timeout = absl::Seconds(10);
+  }
+  auto pg = init_from_env(options);
+  if (!pg.ok()) {
+    std::printf("INIT FAILED: %s\n", pg.status().ToString().c_str());
+    return 2;
+  }
+  ProcessGroup& g = **pg;
+  if (mode == "matrix") {
+    auto errors = tcp_testing::run_collective_matrix(g, {0, 1, 7, 61}, {DType::f32, DType::bf16, DType::f16, DType::i64});
+    auto big = tcp_testing::run_collective_matrix(g, {1000003}, {DType::f32}, /*all_ops=*/false);
+    errors.insert(errors.end(), big.begin(), big.end());
+    for (const auto& e : errors) std::printf("MISMATCH %s\n", e.c_str());
+    if (!errors.empty()) return 1;
+    std::printf("MATRIX OK rank %d of %d\n", g.rank(), g.size());
+    return 0;
+  }
+  if (mode == "kill" && argc >= 4) {
+    const int victim = std::atoi(argv[2]);
+    const int at = std::atoi(argv[3]);
+    Tensor t = Tensor::full({1 << 20}, 1.0, {});
+    for (int i = 0; i < at + 50; ++i) {
+      const absl::Time start = absl::Now();
+      auto work = g.all_reduce(t);
+      if (g.rank() == victim && i == at) ::raise(SIGKILL);
+      absl::Status st = work->wait();
+      if (!st.ok()) {
+        std::printf("ERROR %lld ms: %s\n", static_cast<long long>(absl::ToInt64Milliseconds(absl::Now() - start)),
+                    st.ToString().c_str());
+        std::fflush(stdout);
+        return 3;
+      }
+      t.fill_(1.0);
+    }
+    std::printf("NO ERROR\n");
+    return 0;
+  }
+  return 64;
+}
