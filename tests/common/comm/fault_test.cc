@@ -1,0 +1,211 @@
+// Failure handling of the in-process backend and RunRanks: every fault ends in a clear error on every
+// rank, in bounded time (each test asserts its wall time), and RunRanks reports the origin rank.
+#include <atomic>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/comm/process_group.h"
+#include "common/comm/testing/run_ranks.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardkit::comm {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Per-rank statuses collected by a test.
+struct Statuses {
+  std::mutex mu;
+  std::vector<absl::Status> of;
+  explicit Statuses(int n) : of(static_cast<std::size_t>(n)) {}
+  void set(int r, absl::Status s) {
+    std::lock_guard<std::mutex> l(mu);
+    of[r] = std::move(s);
+  }
+};
+
+TEST(FaultTest, RankThrowsMidCollectiveFailsOthersNamingIt) {
+  const int n = 4;
+  Statuses st(n);
+  const absl::Time start = absl::Now();
+  absl::Status result = RunRanks(n, [&](RankEnv& env) -> absl::Status {
+    Tensor t = Tensor::full({1000}, 1.0);
+    for (int step = 0; step < 3; ++step) {
+      if (env.rank == 2 && step == 2) throw std::runtime_error("boom in step 2");
+      absl::Status s = env.group.all_reduce(t, {.tag = "grads"})->wait();
+      if (!s.ok()) {
+        st.set(env.rank, s);
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(result.code(), absl::StatusCode::kInternal) << result;
+  EXPECT_THAT(std::string(result.message()), HasSubstr("rank 2: threw: boom in step 2"));
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(st.of[r].code(), absl::StatusCode::kAborted) << st.of[r];
+    EXPECT_THAT(std::string(st.of[r].message()), HasSubstr("all_reduce #2 'grads'"));
+    EXPECT_THAT(std::string(st.of[r].message()), HasSubstr("rank 2: threw: boom"));
+  }
+}
+
+TEST(FaultTest, RankThatStopsCallingIsNamedByTheDeadlineError) {
+  const int n = 3;
+  Statuses st(n);
+  absl::Notification others_failed;
+  std::atomic<int> failed_count{0};
+  const absl::Time start = absl::Now();
+  absl::Status result = RunRanks(n, [&](RankEnv& env) -> absl::Status {
+    Tensor t = Tensor::full({16}, 1.0);
+    if (env.rank == 1) {
+      // Busy elsewhere: does not join the all_reduce until the others have given up on it.
+      EXPECT_TRUE(others_failed.WaitForNotificationWithTimeout(absl::Seconds(20)));
+      absl::Status late = env.group.all_reduce(t)->wait();
+      st.set(1, late);
+      return late;
+    }
+    absl::Status s = env.group.all_reduce(t, {.timeout = absl::Milliseconds(300)})->wait();
+    st.set(env.rank, s);
+    if (++failed_count == n - 1) others_failed.Notify();
+    return s;
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(result.code(), absl::StatusCode::kDeadlineExceeded) << result;
+  EXPECT_THAT(std::string(result.message()), HasSubstr("rank 1 did not join within 300ms"));
+  EXPECT_THAT(std::string(result.message()), HasSubstr("all_reduce #0"));
+  for (int r : {0, 2}) {
+    EXPECT_FALSE(st.of[r].ok());
+    EXPECT_THAT(std::string(st.of[r].message()), HasSubstr("rank 1 did not join")) << st.of[r];
+  }
+  // The late rank's call fails at once, naming the origin.
+  EXPECT_EQ(st.of[1].code(), absl::StatusCode::kAborted) << st.of[1];
+  EXPECT_THAT(std::string(st.of[1].message()), HasSubstr("rank 1 did not join"));
+}
+
+TEST(FaultTest, RankThatReturnsEarlyReleasesTheOthersAtOnce) {
+  const absl::Time start = absl::Now();
+  Statuses st(2);
+  absl::Status result = RunRanks(2, [&](RankEnv& env) -> absl::Status {
+    if (env.rank == 1) return absl::OkStatus();  // forgets the barrier
+    absl::Status s = env.group.barrier({.tag = "end of step"})->wait();
+    st.set(0, s);
+    return s;
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not the 60 s default timeout
+  EXPECT_EQ(result.code(), absl::StatusCode::kAborted) << result;
+  EXPECT_THAT(std::string(result.message()),
+              HasSubstr("barrier #0 'end of step' on group 'world', rank 0: rank 1 returned from its function"));
+}
+
+TEST(FaultTest, RanksDisagreeingOnSizesFailEverywhereNamingBoth) {
+  Statuses st(3);
+  absl::Status result = RunRanks(3, [&](RankEnv& env) -> absl::Status {
+    Tensor t = Tensor::zeros({env.rank == 2 ? 8 : 7});
+    absl::Status s = env.group.all_reduce(t)->wait();
+    st.set(env.rank, s);
+    return s;
+  });
+  EXPECT_EQ(result.code(), absl::StatusCode::kInvalidArgument) << result;
+  EXPECT_THAT(std::string(result.message()),
+              HasSubstr("expected all_reduce #0 (f32[7] cpu, sum) (as rank 0), found all_reduce #0 (f32[8] cpu, sum) on "
+                        "rank 2"));
+  for (int r = 0; r < 3; ++r) EXPECT_FALSE(st.of[r].ok());
+}
+
+TEST(FaultTest, RanksDisagreeingOnTheCollectiveFail) {
+  absl::Status result = RunRanks(2, [&](RankEnv& env) -> absl::Status {
+    Tensor t = Tensor::zeros({4});
+    if (env.rank == 0) return env.group.all_reduce(t)->wait();
+    return env.group.broadcast(t)->wait();
+  });
+  EXPECT_EQ(result.code(), absl::StatusCode::kInvalidArgument) << result;
+  EXPECT_THAT(std::string(result.message()), HasSubstr("found broadcast #0"));
+}
+
+TEST(FaultTest, LocalArgumentErrorAbortsTheGroup) {
+  Statuses st(2);
+  absl::Status result = RunRanks(2, [&](RankEnv& env) -> absl::Status {
+    Tensor in = Tensor::zeros({4});
+    Tensor out = Tensor::zeros({env.rank == 0 ? 8 : 9});
+    absl::Status s = env.group.all_gather(out, in)->wait();
+    st.set(env.rank, s);
+    // Later calls fail at once too.
+    absl::Status later = env.group.barrier()->wait();
+    EXPECT_FALSE(later.ok());
+    return s;
+  });
+  EXPECT_EQ(result.code(), absl::StatusCode::kInvalidArgument) << result;
+  EXPECT_THAT(std::string(result.message()), HasSubstr("rank 1: expected output numel = 2 x 4 = 8, found 9"));
+  EXPECT_EQ(st.of[0].code(), absl::StatusCode::kAborted) << st.of[0];
+}
+
+TEST(FaultTest, ExplicitAbortFailsPendingCalls) {
+  absl::Status result = RunRanks(2, [&](RankEnv& env) -> absl::Status {
+    if (env.rank == 1) {
+      env.group.abort(absl::CancelledError("user stopped training"));
+      return absl::OkStatus();
+    }
+    return env.group.barrier()->wait();
+  });
+  EXPECT_EQ(result.code(), absl::StatusCode::kCancelled) << result;
+  EXPECT_THAT(std::string(result.message()), HasSubstr("user stopped training"));
+}
+
+TEST(FaultTest, UnmatchedRecvFailsAtItsDeadlineNamingThePeer) {
+  const absl::Time start = absl::Now();
+  absl::Notification done;
+  absl::Status result = RunRanks(2, [&](RankEnv& env) -> absl::Status {
+    if (env.rank == 1) {
+      EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+      return absl::OkStatus();
+    }
+    Tensor t = Tensor::zeros({4});
+    auto work = env.group.recv(t, 1, {.timeout = absl::Milliseconds(200), .tag = "activations"});
+    // A short wait times out without failing the call...
+    absl::Status early = work->wait(absl::Milliseconds(1));
+    EXPECT_EQ(early.code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_FALSE(work->is_completed());
+    // ...the call's own deadline fails it.
+    absl::Status s = work->wait();
+    done.Notify();
+    return s;
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(result.code(), absl::StatusCode::kDeadlineExceeded) << result;
+  EXPECT_THAT(std::string(result.message()),
+              HasSubstr("recv 'activations' (f32[4] cpu from rank 1) on group 'world', rank 0: rank 1 did not post "
+                        "the matching send within 200ms"));
+}
+
+TEST(FaultTest, RecvFromARankThatLeftFailsAtOnce) {
+  const absl::Time start = absl::Now();
+  absl::Status result = RunRanks(2, [&](RankEnv& env) -> absl::Status {
+    if (env.rank == 1) return absl::OkStatus();
+    Tensor t = Tensor::zeros({4});
+    return env.group.recv(t, 1)->wait();
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.message()), HasSubstr("rank 1 returned from its function"));
+}
+
+TEST(FaultTest, GtestAssertionThatReturnsEarlyDoesNotHang) {
+  // Simulates ASSERT_* returning early from one rank: the others' collectives fail fast.
+  const absl::Time start = absl::Now();
+  absl::Status result = RunRanks(3, [&](RankEnv& env) {
+    if (env.rank == 0) return;
+    Tensor t = Tensor::zeros({4});
+    (void)env.group.all_reduce(t)->wait();
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_THAT(std::string(result.message()), HasSubstr("rank 0 returned from its function without joining it"));
+}
+
+}  // namespace
+}  // namespace shardkit::comm
