@@ -1,0 +1,51 @@
+// GPT training: a ~100K-parameter GPT overfits a fixed batch with AdamW.
+#include <cmath>
+#include <cstdio>
+
+#include "common/autograd/engine.h"
+#include "common/nn/gpt.h"
+#include "common/optim/adam.h"
+#include "gtest/gtest.h"
+
+namespace shardkit::nn {
+namespace {
+
+TEST(GptTrainingTest, HundredKGptOverfitsAFixedBatchWithAdamW) {
+  const GPTConfig config = *GPTConfig::named("gpt-100k");
+  GPT gpt(config, 1);
+  ASSERT_EQ(gpt.num_parameters(), 92592);
+  const std::int64_t b = 4, t = 32;
+  Generator data(2024);
+  std::vector<std::int64_t> tokens(static_cast<std::size_t>(b * (t + 1)));
+  for (auto& tok : tokens) tok = static_cast<std::int64_t>(data.next_below(static_cast<std::uint64_t>(config.vocab_size)));
+  std::vector<std::int64_t> in, target;
+  for (std::int64_t r = 0; r < b; ++r) {
+    for (std::int64_t i = 0; i < t; ++i) {
+      in.push_back(tokens[static_cast<std::size_t>(r * (t + 1) + i)]);
+      target.push_back(tokens[static_cast<std::size_t>(r * (t + 1) + i + 1)]);
+    }
+  }
+  Tensor idx = Tensor::from_int64(in, {b, t});
+  Tensor targets = Tensor::from_int64(target, {b, t});
+  optim::HyperParams hp;
+  hp.lr = 1e-2;
+  hp.weight_decay = 0.0;
+  optim::AdamW opt(gpt.parameters(), hp);
+  double first = 0, last = 0;
+  int steps = 0;
+  for (; steps < 300; ++steps) {
+    opt.zero_grad();
+    Tensor loss = gpt.loss(idx, targets);
+    last = loss.item();
+    if (steps == 0) first = last;
+    if (last < 0.1 * first) break;
+    autograd::backward(loss);
+    opt.step();
+  }
+  EXPECT_NEAR(first, std::log(static_cast<double>(config.vocab_size)), 0.3);
+  EXPECT_LT(last, 0.1 * first) << "after " << steps << " steps";
+  std::printf("gpt-100k overfit: loss %.4f -> %.4f in %d steps\n", first, last, steps);
+}
+
+}  // namespace
+}  // namespace shardkit::nn
