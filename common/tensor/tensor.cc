@@ -193,7 +193,7 @@ std::vector<float> Tensor::to_vector() const {
   return out;
 }
 
-Tensor& Tensor::fill_(double value) {
+const Tensor& Tensor::fill_(double value) const {
   SK_CHECK(device().is_cpu()) << "fill_ on " << describe();
   const std::int64_t n = numel();
   switch (dtype()) {
@@ -225,7 +225,7 @@ Tensor& Tensor::fill_(double value) {
   return *this;
 }
 
-Tensor& Tensor::copy_(const Tensor& src) {
+const Tensor& Tensor::copy_(const Tensor& src) const {
   SK_CHECK_EQ(numel(), src.numel()) << "copy_ from " << src.describe() << " into " << describe();
   SK_CHECK(device().is_cpu() && src.device().is_cpu()) << "copy_ from " << src.describe() << " into " << describe();
   convert_elements(src.raw_data(), src.dtype(), raw_data(), dtype(), numel());

@@ -106,10 +106,11 @@ class Tensor {
   std::vector<float> to_vector() const;  // converted to fp32 (CPU)
 
   // ---- in-place and copies (CPU) -------------------------------------------------------------
-  Tensor& fill_(double value);
-  Tensor& zero_() { return fill_(0.0); }
+  // These write the elements, not the handle, so they are const like every handle method.
+  const Tensor& fill_(double value) const;
+  const Tensor& zero_() const { return fill_(0.0); }
   // Copies src's elements into this tensor (same numel), converting dtype.
-  Tensor& copy_(const Tensor& src);
+  const Tensor& copy_(const Tensor& src) const;
   // A new tensor with this one's values in `dtype` (charged like any new tensor).
   Tensor to(DType dtype, std::optional<MemoryCategory> category = std::nullopt) const;
   Tensor clone(std::optional<MemoryCategory> category = std::nullopt) const;
