@@ -6,6 +6,7 @@
 #include "common/autograd/ops.h"
 #include "common/tensor/rank_context.h"
 #include "common/autograd/function.h"
+#include "common/autograd/ops/fast_math.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"
@@ -290,6 +291,21 @@ TEST(GradCheck, CausalAttention) {
     const auto got = causal_attention(qkv, heads).to_vector();
     for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], 1e-5) << i;
   }
+}
+
+TEST(FastMath, ExpAndTanhMatchLibm) {
+  double worst_exp = 0, worst_tanh = 0;
+  for (float x = -87.f; x <= 88.f; x += 0.0137f) {
+    const double ref = std::exp(static_cast<double>(x));
+    worst_exp = std::max(worst_exp, std::fabs(detail::fast_exp(x) - ref) / ref);
+  }
+  for (float x = -12.f; x <= 12.f; x += 0.00731f) {
+    worst_tanh = std::max(worst_tanh, std::fabs(detail::fast_tanh(x) - std::tanh(static_cast<double>(x))));
+  }
+  EXPECT_LT(worst_exp, 3e-7);   // ~2.5 ulp
+  EXPECT_LT(worst_tanh, 3e-7);  // absolute
+  EXPECT_EQ(detail::fast_exp(-1000.f), detail::fast_exp(-87.f));  // clamped, finite
+  EXPECT_TRUE(std::isfinite(detail::fast_exp(1000.f)));
 }
 
 // The checker itself: a function whose backward is off by 10% must be caught.
