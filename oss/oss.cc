@@ -1,0 +1,235 @@
+#include "oss/oss.h"
+
+#include <algorithm>
+#include <limits>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/logging.h"
+#include "common/optim/clip_grad.h"
+#include "common/tensor/rank_context.h"
+
+namespace shardkit::oss {
+
+Oss::Oss(std::vector<optim::ParamGroup> groups, std::shared_ptr<comm::ProcessGroup> group, OssOptions options)
+    : groups_(std::move(groups)), pg_(std::move(group)), options_(options) {}
+
+Oss::~Oss() = default;
+
+namespace {
+absl::Status CheckParams(const std::vector<optim::ParamGroup>& groups, std::set<const TensorImpl*>& seen,
+                         std::size_t first_group) {
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (std::size_t i = 0; i < groups[g].params.size(); ++i) {
+      const Tensor& p = groups[g].params[i];
+      const std::string where = absl::StrCat("param group ", first_group + g, ", parameter ", i);
+      if (!p.defined()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected a tensor, found undefined"));
+      if (!is_floating(p.dtype()) || !p.device().is_cpu()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": expected a floating-point CPU tensor, found ", p.describe()));
+      }
+      if (!seen.insert(p.id()).second) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": expected each parameter once, found a repeat"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Oss>> Oss::create(std::vector<optim::ParamGroup> groups,
+                                                 optim::OptimizerFactory factory,
+                                                 std::shared_ptr<comm::ProcessGroup> group, OssOptions options) {
+  if (group == nullptr) return absl::InvalidArgumentError("Oss: expected a process group, found null");
+  if (options.bucket_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("Oss: expected bucket_bytes > 0, found ", options.bucket_bytes));
+  }
+  std::set<const TensorImpl*> seen;
+  if (absl::Status s = CheckParams(groups, seen, 0); !s.ok()) return s;
+  std::unique_ptr<Oss> oss(new Oss(std::move(groups), std::move(group), options));
+  oss->partition();
+  MemoryCategoryScope category(MemoryCategory::optimizer_state);
+  absl::StatusOr<std::unique_ptr<optim::Optimizer>> inner = factory(oss->local_groups(0));
+  if (!inner.ok()) return inner.status();
+  oss->inner_ = std::move(*inner);
+  oss->refresh_trainable();
+  return oss;
+}
+
+// Computes the partition of every group, this rank's pieces and the tensors the inner optimizer steps.
+// Groups already partitioned keep their pieces (add_param_group appends).
+void Oss::partition() {
+  GroupSizes sizes;
+  for (const auto& g : groups_) {
+    std::vector<std::int64_t> s;
+    for (const Tensor& p : g.params) s.push_back(p.numel());
+    sizes.push_back(std::move(s));
+  }
+  const int world = pg_->size(), rank = pg_->rank();
+  first_index_.clear();
+  std::int64_t next = 0;
+  for (const auto& s : sizes) {
+    first_index_.push_back(next);
+    next += static_cast<std::int64_t>(s.size());
+  }
+  // Earlier groups keep their owners: greedy visits groups in order, and flat splits each group alone.
+  const std::size_t done_groups = local_.empty() ? 0 : static_cast<std::size_t>(local_.back().group) + 1;
+  std::vector<OwnedPiece> pieces;
+  if (options_.policy == PartitionPolicy::greedy) {
+    greedy_ = partition_greedy(sizes, world);
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      for (int i : greedy_.owned(static_cast<int>(g), rank)) {
+        pieces.push_back({static_cast<int>(g), i, first_index_[g] + i, 0, sizes[g][static_cast<std::size_t>(i)]});
+      }
+    }
+  } else {
+    flat_ = partition_flat(sizes, world);
+    for (const Slice& s : flat_.slices[static_cast<std::size_t>(rank)]) {
+      pieces.push_back({s.group, s.param, first_index_[static_cast<std::size_t>(s.group)] + s.param, s.offset, s.length});
+    }
+  }
+  // Keep the existing pieces (and their shard tensors, which the inner optimizer holds) as they are.
+  std::size_t keep = 0;
+  while (keep < pieces.size() && static_cast<std::size_t>(pieces[keep].group) < done_groups) ++keep;
+  SK_CHECK_EQ(keep, local_.size()) << "re-partitioning moved existing ownership";
+  for (std::size_t k = keep; k < pieces.size(); ++k) {
+    const OwnedPiece& piece = pieces[k];
+    const Tensor& p = groups_[static_cast<std::size_t>(piece.group)].params[static_cast<std::size_t>(piece.param)];
+    local_.push_back(piece);
+    shards_.push_back(options_.policy == PartitionPolicy::greedy ? p : p.view(piece.offset, {piece.length}));
+  }
+}
+
+std::vector<optim::ParamGroup> Oss::local_groups(std::size_t first_group) const {
+  std::vector<optim::ParamGroup> out;
+  for (std::size_t g = first_group; g < groups_.size(); ++g) out.push_back({{}, groups_[g].hyper});
+  for (std::size_t k = 0; k < local_.size(); ++k) {
+    const auto g = static_cast<std::size_t>(local_[k].group);
+    if (g >= first_group) out[g - first_group].params.push_back(shards_[k]);
+  }
+  return out;
+}
+
+absl::Status Oss::add_param_group(optim::ParamGroup group) {
+  std::set<const TensorImpl*> seen;
+  if (absl::Status s = CheckParams(groups_, seen, 0); !s.ok()) return s;
+  if (absl::Status s = CheckParams({group}, seen, groups_.size()); !s.ok()) return s;
+  const std::size_t g = groups_.size();
+  groups_.push_back(std::move(group));
+  partition();
+  MemoryCategoryScope category(MemoryCategory::optimizer_state);
+  absl::Status s = inner_->add_param_group(std::move(local_groups(g).front()));
+  SK_CHECK(s.ok()) << "inner optimizer refused a checked group: " << s;
+  refresh_trainable();
+  return absl::OkStatus();
+}
+
+int Oss::owner(int group, int param) const {
+  SK_CHECK(options_.policy == PartitionPolicy::greedy) << "owner() is for the greedy policy";
+  return greedy_.owner.at(static_cast<std::size_t>(group)).at(static_cast<std::size_t>(param));
+}
+
+std::int64_t Oss::owned_numel() const {
+  std::int64_t n = 0;
+  for (const OwnedPiece& p : local_) n += p.length;
+  return n;
+}
+
+std::int64_t Oss::global_index(int group, int param) const {
+  return first_index_.at(static_cast<std::size_t>(group)) + param;
+}
+
+void Oss::refresh_trainable() {
+  trainable_.clear();
+  for (const auto& g : groups_) {
+    for (const Tensor& p : g.params) trainable_.push_back(p.requires_grad());
+  }
+  if (options_.policy == PartitionPolicy::flat) {
+    for (std::size_t k = 0; k < local_.size(); ++k) {
+      shards_[k].set_requires_grad(trainable_[static_cast<std::size_t>(local_[k].index)]);
+    }
+  }
+}
+
+void Oss::zero_grad(bool set_to_none) {
+  for (const auto& g : groups_) {
+    for (const Tensor& p : g.params) {
+      Tensor grad = p.grad();
+      if (!grad.defined()) continue;
+      if (set_to_none) {
+        p.set_grad(Tensor());
+      } else {
+        grad.zero_();
+      }
+    }
+  }
+  if (options_.policy == PartitionPolicy::flat) {
+    for (const Tensor& s : shards_) s.set_grad(Tensor());
+  }
+}
+
+void Oss::attach_shard_grads() {
+  if (options_.policy != PartitionPolicy::flat) return;  // greedy shards are the parameters themselves
+  for (std::size_t k = 0; k < local_.size(); ++k) {
+    const OwnedPiece& piece = local_[k];
+    const Tensor& p = groups_[static_cast<std::size_t>(piece.group)].params[static_cast<std::size_t>(piece.param)];
+    const Tensor grad = p.grad();
+    shards_[k].set_grad(grad.defined() ? grad.view(piece.offset, {piece.length}) : Tensor());
+  }
+}
+
+absl::Status Oss::step() {
+  bool changed = false;
+  {
+    std::size_t i = 0;
+    for (const auto& g : groups_) {
+      for (const Tensor& p : g.params) changed |= i >= trainable_.size() || trainable_[i++] != p.requires_grad();
+    }
+  }
+  if (changed) {
+    SK_LOG(kInfo, "Oss: the set of trainable parameters changed; refreshing");
+    refresh_trainable();
+  }
+  for (std::size_t g = 0; g < groups_.size(); ++g) inner_->mutable_hyper(g) = groups_[g].hyper;
+  attach_shard_grads();
+  {
+    MemoryCategoryScope category(MemoryCategory::optimizer_state);
+    inner_->step();
+  }
+  return sync_params();
+}
+
+absl::StatusOr<double> Oss::clip_grad_norm(double max_norm, double norm_type) {
+  const bool inf = std::isinf(norm_type);
+  if (!inf && norm_type != 2.0) {
+    return absl::InvalidArgumentError(absl::StrCat("clip_grad_norm: expected norm_type 2 or inf, found ", norm_type));
+  }
+  attach_shard_grads();
+  const double partial = optim::grad_norm_partial(shards_, norm_type);
+  Tensor t = Tensor::full({1}, partial, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+  auto work = pg_->all_reduce(t, {.op = inf ? comm::ReduceOp::max() : comm::ReduceOp::sum(),
+                                  .timeout = options_.timeout, .tag = "oss clip_grad_norm"});
+  if (absl::Status s = work->wait(); !s.ok()) return s;
+  const double total = optim::grad_norm_from_partial(t.item(), norm_type);
+  const double coef = optim::clip_coefficient(total, max_norm);
+  if (coef < 1.0 || std::isnan(coef)) {
+    std::vector<Tensor> all;
+    for (const auto& g : groups_) all.insert(all.end(), g.params.begin(), g.params.end());
+    optim::scale_grads(all, coef);
+  }
+  return total;
+}
+
+absl::Duration Oss::timeout() const { return options_.timeout.value_or(pg_->default_timeout()); }
+
+absl::Status Oss::wait_all(std::vector<std::shared_ptr<comm::Work>>& works) {
+  absl::Status first;
+  for (auto& w : works) {
+    absl::Status s = w->wait(timeout());
+    if (first.ok() && !s.ok()) first = s;
+  }
+  works.clear();
+  return first;
+}
+
+}  // namespace shardkit::oss

@@ -1,0 +1,169 @@
+// Oss: optimizer state sharding, ZeRO stage 1 (DESIGN.md section 3).
+//
+// Wraps any optim::Optimizer (through its factory). The parameters of every param group are partitioned
+// across the ranks of a ProcessGroup (partition.h): greedy whole tensors, or a flat even split where a
+// tensor may straddle ranks. Each rank builds an inner optimizer over what it owns only, so it allocates
+// optimizer state (and fp32 master weights) for its share only. step() steps the share, then brings every
+// rank's parameters up to date: bucketed broadcasts from the owners (greedy) or one all_gather per bucket
+// (flat). Gradients must be the same on every rank before step() (averaged by DDP, or reduced to their
+// owners by ShardedDataParallel: only the owned part of each gradient is read).
+//
+// Collective calls: the constructor (create), step(), clip_grad_norm(), consolidate_state_dict() and
+// load_state_dict() are collectives over the group: every rank calls them, in the same order.
+//
+// Flat policy: the inner optimizer steps views of the parameters (views share the parameters' bytes, so
+// the step writes the parameters in place); before each step the views' gradients are set to the
+// matching views of the parameters' gradients.
+//
+// Frozen parameters (requires_grad false) keep their owner; they are not broadcast. The set of trainable
+// parameters must be the same on every rank; it is re-read at each step (refresh_trainable() does it
+// explicitly, e.g. right after freezing).
+//
+// Errors (absl::Status): a failed collective leaves parameters on the other ranks as they were before the
+// step's broadcast; the group is then aborted (see common/comm/process_group.h).
+// Thread-safety: none; one Oss belongs to one rank.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/comm/process_group.h"
+#include "common/optim/optimizer.h"
+#include "common/optim/state_dict.h"
+#include "oss/partition.h"
+
+namespace shardkit::oss {
+
+enum class PartitionPolicy { greedy, flat };
+
+struct OssOptions {
+  PartitionPolicy policy = PartitionPolicy::greedy;
+  // Parameters are sent in buckets of at most this many bytes (greedy: small parameters of one owner are
+  // packed together, a larger parameter goes alone and in place; flat: all_gather output per bucket).
+  std::int64_t bucket_bytes = 16 << 20;
+  // Send parameters in this dtype (e.g. bf16 for f32 parameters). Every rank, the owner included, then
+  // holds the parameter rounded to this dtype, so all ranks keep identical models. Empty: the parameter's.
+  std::optional<DType> broadcast_dtype = std::nullopt;
+  // Deadline of each collective; empty: the group's default.
+  std::optional<absl::Duration> timeout = std::nullopt;
+};
+
+// Where one rank's share of a parameter lives: elements [offset, offset + length) of parameter `param` of
+// group `group`, whose global index (Note [parameter indices] in common/optim/state_dict.h) is `index`.
+struct OwnedPiece {
+  int group = 0;
+  int param = 0;
+  std::int64_t index = 0;
+  std::int64_t offset = 0;
+  std::int64_t length = 0;
+};
+
+// One rank's part of the optimizer state, with what is needed to put shards back together.
+struct ShardedStateDict {
+  int rank = 0;
+  int world = 1;
+  PartitionPolicy policy = PartitionPolicy::greedy;
+  // State of the owned pieces, keyed by global index; hyper-parameters of every group. For the flat policy
+  // each state tensor holds only the owned elements (1-D).
+  optim::OptimizerStateDict state;
+  std::map<std::int64_t, OwnedPiece> pieces;  // global index -> owned piece
+  std::vector<Shape> param_shapes;            // by global index
+};
+
+// Puts the shards of every rank (any order, one per rank) back into the full state dict. InvalidArgument
+// when shards are missing, duplicated, or disagree (world, policy, shapes, step counts, uncovered elements).
+absl::StatusOr<optim::OptimizerStateDict> merge_sharded_state_dicts(const std::vector<ShardedStateDict>& shards);
+
+class Oss {
+ public:
+  // Partitions `groups` over `group`'s ranks and builds this rank's inner optimizer with `factory`.
+  // InvalidArgument for an undefined, non-floating, non-CPU or repeated parameter, or a factory error.
+  static absl::StatusOr<std::unique_ptr<Oss>> create(std::vector<optim::ParamGroup> groups,
+                                                     optim::OptimizerFactory factory,
+                                                     std::shared_ptr<comm::ProcessGroup> group,
+                                                     OssOptions options = {});
+  ~Oss();
+  Oss(const Oss&) = delete;
+  Oss& operator=(const Oss&) = delete;
+
+  // Steps this rank's share, then updates every rank's parameters. Collective.
+  absl::Status step();
+  // Every parameter's gradient (all of them, owned or not) set to none or zero.
+  void zero_grad(bool set_to_none = true);
+  // Appends a group (partitioned on its own: existing ownership does not move). Every rank must call it
+  // with the same parameters. Not a collective.
+  absl::Status add_param_group(optim::ParamGroup group);
+
+  std::size_t num_param_groups() const { return groups_.size(); }
+  const optim::ParamGroup& param_group(std::size_t g) const { return groups_.at(g); }
+  // Changes reach the inner optimizer at the next step (lr schedules).
+  optim::HyperParams& mutable_hyper(std::size_t g) { return groups_.at(g).hyper; }
+
+  // ---- ownership (what ShardedDataParallel routes gradients with) ----
+  PartitionPolicy policy() const { return options_.policy; }
+  const comm::ProcessGroup& process_group() const { return *pg_; }
+  // Greedy: the rank that owns parameter `param` of group `group`. Flat: InternalError (use flat_partition).
+  int owner(int group, int param) const;
+  const GreedyPartition& greedy_partition() const { return greedy_; }
+  const FlatPartition& flat_partition() const { return flat_; }
+  // This rank's pieces, in the inner optimizer's parameter order.
+  const std::vector<OwnedPiece>& owned_pieces() const { return local_; }
+  std::int64_t owned_numel() const;
+  std::int64_t global_index(int group, int param) const;
+
+  // Total gradient norm over the whole model (2 or inf) computed from each rank's owned part: local partial
+  // norms in fp32/double, one all_reduce (sum; max for inf). Scales every gradient this rank holds by
+  // min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping, identical on every rank. Collective.
+  absl::StatusOr<double> clip_grad_norm(double max_norm, double norm_type = 2.0);
+
+  // ---- state ----
+  // Gathers the full optimizer state on `to_rank` (point to point, one rank's shard at a time: only
+  // to_rank ever holds the full state). Collective.
+  absl::Status consolidate_state_dict(int to_rank = 0);
+  // The consolidated state (full, global indices), on the rank that received it; FailedPrecondition
+  // elsewhere or before consolidate_state_dict().
+  absl::StatusOr<optim::OptimizerStateDict> state_dict() const;
+  // This rank's own part, with partition metadata. Not a collective.
+  ShardedStateDict sharded_state_dict() const;
+  // Loads a full state dict (from state_dict() or merge_sharded_state_dicts(), saved at any world size):
+  // each rank keeps its part. Every rank passes the same dict. Collective: if any rank rejects it, every
+  // rank returns InvalidArgument and keeps its previous state and hyper-parameters.
+  absl::Status load_state_dict(const optim::OptimizerStateDict& full);
+
+  // Re-reads which parameters are trainable (also done automatically at each step).
+  void refresh_trainable();
+
+  // The inner optimizer over this rank's share.
+  optim::Optimizer& shard_optimizer() { return *inner_; }
+
+ private:
+  Oss(std::vector<optim::ParamGroup> groups, std::shared_ptr<comm::ProcessGroup> group, OssOptions options);
+  void partition();
+  std::vector<optim::ParamGroup> local_groups(std::size_t first_group) const;
+  void attach_shard_grads();
+  absl::Status sync_params();
+  absl::Status wait_all(std::vector<std::shared_ptr<comm::Work>>& works);
+  absl::Duration timeout() const;
+
+  std::vector<optim::ParamGroup> groups_;
+  std::shared_ptr<comm::ProcessGroup> pg_;
+  OssOptions options_;
+  GreedyPartition greedy_;
+  FlatPartition flat_;
+  std::vector<std::int64_t> first_index_;  // global index of each group's first parameter
+  std::vector<OwnedPiece> local_;
+  std::vector<Tensor> shards_;  // parallel to local_: the tensors the inner optimizer steps
+  std::unique_ptr<optim::Optimizer> inner_;
+  std::vector<bool> trainable_;  // by global index, as last read
+  std::optional<optim::OptimizerStateDict> consolidated_;
+  std::optional<optim::OptimizerStateDict> backup_;  // during load_state_dict only
+};
+
+}  // namespace shardkit::oss
