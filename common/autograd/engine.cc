@@ -164,7 +164,9 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
         Tensor& g = in[static_cast<std::size_t>(i)];
         if (!g.defined()) g = detail::zeros_activation(n->output_shape(i), n->output_dtype(i));
       }
-      out = n->apply(std::move(in));
+      // A temporary, so the incoming gradients die as soon as apply returns (a gradient passed through
+      // unchanged, e.g. by add or reshape, is then exclusive again: Note [gradient buffer reuse]).
+      out = n->apply(TensorList(std::move(in)));
       SK_CHECK(out.empty() || out.size() == n->next_edges().size())
           << n->name() << " returned " << out.size() << " gradients for " << n->next_edges().size() << " inputs";
     }
