@@ -318,7 +318,10 @@ absl::Status Oss::load_state_dict(const optim::OptimizerStateDict& full) {
       MemoryCategoryScope category(MemoryCategory::optimizer_state);
       s = inner_->load_state_dict(mine);
     }
-    if (!s.ok()) return s;
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("load_state_dict: rank ", pg_->rank(), " rejected the state dict: ",
+                                                 s.message(), " (parameter numbers are this rank's shard's)"));
+    }
     backup_ = std::move(backup);
     return absl::OkStatus();
   }();

@@ -1,0 +1,198 @@
+// OSS state: consolidate at one world size, load at another, continue: equal to the uninterrupted
+// single-rank run. Bad state dicts: clear errors on every rank and no change.
+#include <cmath>
+
+#include "common/comm/testing/run_ranks.h"
+#include "common/optim/adam.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "oss/oss.h"
+
+namespace shardkit::oss {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::vector<Shape> kShapes = {{7, 3}, {5}, {13}, {2, 2}, {1}, {11}};
+using Values = std::vector<std::vector<float>>;
+
+Values InitialValues() {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  Generator gen(7);
+  Values out;
+  for (const Shape& s : kShapes) out.push_back(Tensor::normal(s, gen, 0.f, 1.f).to_vector());
+  return out;
+}
+
+std::vector<Tensor> MakeParams(const Values& v) {
+  std::vector<Tensor> out;
+  for (std::size_t i = 0; i < kShapes.size(); ++i) {
+    out.push_back(Tensor::from_vector(v[i], kShapes[i], TensorOptions{}.with_category(MemoryCategory::parameter)));
+    out.back().set_requires_grad(true);
+  }
+  return out;
+}
+
+// The averaged gradient all ranks agree on at `step` (independent of world size here, so runs at different
+// world sizes see the same data; what differs is which rank owns which state).
+Tensor Grad(const Tensor& p, int step, int i) {
+  Generator gen(500 + static_cast<std::uint64_t>(step), static_cast<std::uint64_t>(i));
+  std::vector<float> d(static_cast<std::size_t>(p.numel()));
+  gen.fill_normal(d.data(), p.numel());
+  const std::vector<float> v = p.to_vector();
+  for (std::size_t k = 0; k < d.size(); ++k) d[k] += 0.3f * v[k];
+  return Tensor::from_vector(d, p.shape());
+}
+
+Values Reference(int steps) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  std::vector<Tensor> params = MakeParams(InitialValues());
+  optim::AdamW opt(params);
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].set_grad(Grad(params[i], step, static_cast<int>(i)));
+    opt.step();
+  }
+  Values out;
+  for (const Tensor& p : params) out.push_back(p.to_vector());
+  return out;
+}
+
+struct RunResult {
+  Values params;                             // rank 0's final parameters
+  std::optional<optim::OptimizerStateDict> state;  // consolidated on rank 0 at the end
+};
+
+RunResult RunSharded(int world, PartitionPolicy policy, const Values& init, int first_step, int last_step,
+              const optim::OptimizerStateDict* load) {
+  RunResult result;
+  absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+    std::vector<Tensor> params = MakeParams(init);
+    auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr,
+                           {.policy = policy});
+    if (!oss.ok()) return oss.status();
+    if (load != nullptr) {
+      if (absl::Status s = (*oss)->load_state_dict(*load); !s.ok()) return s;
+    }
+    for (int step = first_step; step < last_step; ++step) {
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].set_grad(Grad(params[i], step, static_cast<int>(i)));
+      if (absl::Status s = (*oss)->step(); !s.ok()) return s;
+    }
+    if (absl::Status s = (*oss)->consolidate_state_dict(0); !s.ok()) return s;
+    absl::StatusOr<optim::OptimizerStateDict> sd = (*oss)->state_dict();
+    if (env.rank == 0) {
+      if (!sd.ok()) return sd.status();
+      result.state = *sd;
+      for (const Tensor& p : params) result.params.push_back(p.to_vector());
+    } else {
+      EXPECT_EQ(sd.status().code(), absl::StatusCode::kFailedPrecondition);
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+  return result;
+}
+
+void ExpectClose(const Values& got, const Values& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    for (std::size_t k = 0; k < got[i].size(); ++k) {
+      // Same gradients, same kernels: only the optimizer state's round trip could differ, and it is exact.
+      ASSERT_EQ(got[i][k], want[i][k]) << "param " << i << "[" << k << "]";
+    }
+  }
+}
+
+class OssResume : public ::testing::TestWithParam<PartitionPolicy> {};
+
+TEST_P(OssResume, ConsolidateAtFourLoadAtTwoAndThreeContinue) {
+  const Values want = Reference(20);
+  const RunResult first = RunSharded(4, GetParam(), InitialValues(), 0, 10, nullptr);
+  ASSERT_TRUE(first.state.has_value());
+  EXPECT_EQ(first.state->state.size(), kShapes.size());
+  for (int world : {2, 3}) {
+    const RunResult second = RunSharded(world, GetParam(), first.params, 10, 20, &*first.state);
+    ExpectClose(second.params, want);
+  }
+}
+
+TEST_P(OssResume, MergeOfShardedStateDictsEqualsConsolidation) {
+  std::vector<ShardedStateDict> shards(3);
+  std::optional<optim::OptimizerStateDict> consolidated;
+  absl::Status st = comm::RunRanks(3, [&](comm::RankEnv& env) -> absl::Status {
+    std::vector<Tensor> params = MakeParams(InitialValues());
+    auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr,
+                           {.policy = GetParam()});
+    if (!oss.ok()) return oss.status();
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].set_grad(Grad(params[i], 0, static_cast<int>(i)));
+    if (absl::Status s = (*oss)->step(); !s.ok()) return s;
+    shards[static_cast<std::size_t>(env.rank)] = (*oss)->sharded_state_dict();
+    if (absl::Status s = (*oss)->consolidate_state_dict(2); !s.ok()) return s;
+    if (env.rank == 2) consolidated = *(*oss)->state_dict();
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  absl::StatusOr<optim::OptimizerStateDict> merged = merge_sharded_state_dicts(shards);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  ASSERT_EQ(merged->state.size(), consolidated->state.size());
+  for (const auto& [index, ps] : consolidated->state) {
+    EXPECT_EQ(merged->state.at(index).step, ps.step);
+    for (const auto& [key, t] : ps.tensors) EXPECT_EQ(merged->state.at(index).tensors.at(key).to_vector(), t.to_vector());
+  }
+  shards.pop_back();
+  EXPECT_THAT(merge_sharded_state_dicts(shards).status().message(), HasSubstr("expected 3 shards, found 2"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, OssResume, ::testing::Values(PartitionPolicy::greedy, PartitionPolicy::flat),
+                         [](const auto& info) { return info.param == PartitionPolicy::greedy ? "greedy" : "flat"; });
+
+// A dict that only the owner of one parameter can find wrong: every rank must reject it and keep its state.
+TEST(OssLoadTest, BadStateDictsAreRejectedEverywhereAndChangeNothing) {
+  const RunResult saved = RunSharded(3, PartitionPolicy::greedy, InitialValues(), 0, 3, nullptr);
+  ASSERT_TRUE(saved.state.has_value());
+  struct Case {
+    std::string expect;
+    std::function<void(optim::OptimizerStateDict&)> corrupt;
+  };
+  const std::vector<Case> cases = {
+      {"expected optimizer 'AdamW', found 'SGD'", [](auto& d) { d.optimizer = "SGD"; }},
+      {"expected 1 param groups, found 2", [](auto& d) { d.param_groups.push_back(d.param_groups[0]); }},
+      {"expected shape [5], found [4]", [](auto& d) { d.state.at(1).tensors.at(optim::kExpAvg) = Tensor::zeros({4}); }},
+      // A missing key only the owner (rank 2: greedy puts the 11-element parameter there) can see.
+      {"rank 2 rejected the state dict", [](auto& d) { d.state.at(5).tensors.erase(optim::kExpAvgSq); }},
+  };
+  for (const Case& c : cases) {
+    optim::OptimizerStateDict bad = saved.state->clone();
+    c.corrupt(bad);
+    std::vector<std::string> errors(3);
+    std::vector<optim::OptimizerStateDict> after(1);
+    absl::Status st = comm::RunRanks(3, [&](comm::RankEnv& env) -> absl::Status {
+      std::vector<Tensor> params = MakeParams(saved.params);
+      auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr);
+      if (!oss.ok()) return oss.status();
+      if (absl::Status s = (*oss)->load_state_dict(*saved.state); !s.ok()) return s;
+      absl::Status s = (*oss)->load_state_dict(bad);
+      errors[static_cast<std::size_t>(env.rank)] = std::string(s.message());
+      if (s.ok()) return absl::InternalError("a bad state dict was accepted");
+      if (absl::Status c2 = (*oss)->consolidate_state_dict(0); !c2.ok()) return c2;
+      if (env.rank == 0) after[0] = *(*oss)->state_dict();
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << c.expect << ": " << st;
+    for (const std::string& e : errors) EXPECT_THAT(e, HasSubstr(c.expect));
+    if (c.expect.starts_with("rank 2")) {
+      EXPECT_THAT(errors[2], HasSubstr("missing state key 'exp_avg_sq'"));
+    }
+    // The state is the good one loaded before.
+    ASSERT_EQ(after[0].state.size(), saved.state->state.size()) << c.expect;
+    for (const auto& [index, ps] : saved.state->state) {
+      for (const auto& [key, t] : ps.tensors) {
+        EXPECT_EQ(after[0].state.at(index).tensors.at(key).to_vector(), t.to_vector()) << c.expect;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardkit::oss
