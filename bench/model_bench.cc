@@ -10,6 +10,7 @@
 //   step_gflops   6 * (non-embedding params) * tokens + attention flops, per second of the whole step
 //   params        parameter count
 //
+// Sizes: gpt-1m (B=8, T=64), gpt-10m (B=4, T=128), gpt-100m (B=1, T=256, 2 iterations).
 // Run: build-*/bench/model_bench            (add --benchmark_filter=gpt-10m to pick one size)
 #include <chrono>
 #include <string>
@@ -66,6 +67,10 @@ void BM_GptForwardBackward(benchmark::State& state, const std::string& config_na
 
 BENCHMARK_CAPTURE(BM_GptForwardBackward, gpt-1m, std::string("gpt-1m"), 8, 64)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_GptForwardBackward, gpt-10m, std::string("gpt-10m"), 4, 128)->Unit(benchmark::kMillisecond);
+// ~100M parameters (1.2 GB of parameters + gradients; a few seconds per step on one core).
+BENCHMARK_CAPTURE(BM_GptForwardBackward, gpt-100m, std::string("gpt-100m"), 1, 256)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(2);
 
 }  // namespace
 }  // namespace shardkit::nn

@@ -2,8 +2,13 @@
 
 namespace shardkit::nn {
 
-Linear::Linear(std::int64_t in_features, std::int64_t out_features, Generator& gen, bool bias)
+Linear::Linear(std::int64_t in_features, std::int64_t out_features, Generator& gen, bool bias, float init_std)
     : Module("Linear"), in_(in_features), out_(out_features) {
+  if (init_std > 0.f) {
+    register_parameter("weight", init::normal({out_features, in_features}, gen, 0.f, init_std));
+    if (bias) register_parameter("bias", init::zeros({out_features}));
+    return;
+  }
   const float bound = in_features > 0 ? 1.f / std::sqrt(static_cast<float>(in_features)) : 0.f;
   register_parameter("weight", init::uniform({out_features, in_features}, gen, -bound, bound));
   if (bias) register_parameter("bias", init::uniform({out_features}, gen, -bound, bound));

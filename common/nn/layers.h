@@ -12,10 +12,12 @@
 
 namespace shardkit::nn {
 
-// y = x W^T + b, W [out, in]. Default init as PyTorch: U(-1/sqrt(in), 1/sqrt(in)) for W and b.
+// y = x W^T + b, W [out, in]. Default init as PyTorch: U(-1/sqrt(in), 1/sqrt(in)) for W and b;
+// with init_std > 0 instead W ~ N(0, init_std) and b = 0 (GPT-2's init).
 class Linear : public Module {
  public:
-  Linear(std::int64_t in_features, std::int64_t out_features, Generator& gen, bool bias = true);
+  Linear(std::int64_t in_features, std::int64_t out_features, Generator& gen, bool bias = true,
+         float init_std = 0.f);
   // Over existing tensors (weight [out, in], bias [out] or undefined), e.g. a tied output projection:
   // the module registers the very same tensors (a shared parameter when they are registered elsewhere too).
   explicit Linear(Tensor weight, Tensor bias = Tensor());

@@ -2,28 +2,16 @@
 
 namespace shardkit::nn {
 namespace {
-
-// Re-initialises a Linear GPT-2 style: weight N(0, std), bias 0 (drawn from `gen` in a fixed order).
-void InitLinear(Linear& l, Generator& gen, float std) {
-  Tensor w = l.weight();
-  w.copy_(Tensor::normal(w.shape(), gen, 0.f, std));
-  if (l.has_bias()) {
-    Tensor b = l.parameter("bias");
-    b.zero_();
-  }
-}
-
+float ResidualStd(const TransformerOptions& o) { return o.init_std / std::sqrt(2.f * static_cast<float>(o.num_layers)); }
 }  // namespace
 
 CausalSelfAttention::CausalSelfAttention(const TransformerOptions& o, Generator& gen)
     : Module("CausalSelfAttention"), num_heads_(o.num_heads) {
   SK_CHECK(o.num_heads > 0 && o.width % o.num_heads == 0)
       << "CausalSelfAttention: width " << o.width << " not divisible by " << o.num_heads << " heads";
-  qkv_ = register_module("qkv", std::make_shared<Linear>(o.width, 3 * o.width, gen));
-  proj_ = register_module("proj", std::make_shared<Linear>(o.width, o.width, gen));
+  qkv_ = register_module("qkv", std::make_shared<Linear>(o.width, 3 * o.width, gen, true, o.init_std));
+  proj_ = register_module("proj", std::make_shared<Linear>(o.width, o.width, gen, true, ResidualStd(o)));
   drop_ = register_module("drop", std::make_shared<Dropout>(o.dropout));
-  InitLinear(*qkv_, gen, o.init_std);
-  InitLinear(*proj_, gen, o.init_std / std::sqrt(2.f * static_cast<float>(o.num_layers)));
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
@@ -33,12 +21,10 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
 }
 
 MLP::MLP(const TransformerOptions& o, Generator& gen) : Module("MLP") {
-  fc_ = register_module("fc", std::make_shared<Linear>(o.width, 4 * o.width, gen));
+  fc_ = register_module("fc", std::make_shared<Linear>(o.width, 4 * o.width, gen, true, o.init_std));
   act_ = register_module("act", std::make_shared<GELU>());
-  proj_ = register_module("proj", std::make_shared<Linear>(4 * o.width, o.width, gen));
+  proj_ = register_module("proj", std::make_shared<Linear>(4 * o.width, o.width, gen, true, ResidualStd(o)));
   drop_ = register_module("drop", std::make_shared<Dropout>(o.dropout));
-  InitLinear(*fc_, gen, o.init_std);
-  InitLinear(*proj_, gen, o.init_std / std::sqrt(2.f * static_cast<float>(o.num_layers)));
 }
 
 Tensor MLP::forward(const Tensor& x) { return (*drop_)((*proj_)((*act_)((*fc_)(x)))); }

@@ -92,6 +92,22 @@ TEST(EngineTest, RootErrors) {
   }
 }
 
+TEST(EngineTest, SeveralRootsInOneTraversal) {
+  Tensor a = Leaf({1, 2}, {2});
+  Tensor h = scale(a, 2.f);
+  Tensor y1 = mul(h, h);       // shares h with y2
+  Tensor y2 = scale(h, 3.f);
+  int h_hook_calls = 0;
+  auto hh = register_hook(h, [&](const Tensor& g) -> std::optional<Tensor> {
+    ++h_hook_calls;
+    return std::nullopt;
+  });
+  backward({y1, y2}, {Tensor::from_vector({1, 1}, {2}), Tensor::from_vector({10, 10}, {2})});
+  EXPECT_EQ(h_hook_calls, 1);  // both roots' contributions summed before h's node ran
+  // d/da [sum(4a^2) + 10 * sum(6a)] = 8a + 60
+  EXPECT_THAT(a.grad().to_vector(), ElementsAre(68, 76));
+}
+
 TEST(EngineTest, NoGradScopeRecordsNothing) {
   Tensor a = Leaf({1, 2}, {2});
   {
