@@ -165,12 +165,24 @@ void Oss::zero_grad(bool set_to_none) {
   }
   if (options_.policy == PartitionPolicy::flat) {
     for (const Tensor& s : shards_) s.set_grad(Tensor());
+    external_grad_.assign(local_.size(), false);
   }
+}
+
+void Oss::set_piece_grad(std::size_t k, const Tensor& grad) {
+  SK_CHECK(options_.policy == PartitionPolicy::flat) << "set_piece_grad is for the flat policy";
+  SK_CHECK_LT(k, local_.size());
+  SK_CHECK_EQ(grad.numel(), local_[k].length) << "gradient for owned piece " << k;
+  shards_[k].set_grad(grad.reshape({local_[k].length}));
+  external_grad_.resize(local_.size(), false);
+  external_grad_[k] = true;
 }
 
 void Oss::attach_shard_grads() {
   if (options_.policy != PartitionPolicy::flat) return;  // greedy shards are the parameters themselves
+  external_grad_.resize(local_.size(), false);
   for (std::size_t k = 0; k < local_.size(); ++k) {
+    if (external_grad_[k]) continue;
     const OwnedPiece& piece = local_[k];
     const Tensor& p = groups_[static_cast<std::size_t>(piece.group)].params[static_cast<std::size_t>(piece.param)];
     const Tensor grad = p.grad();
@@ -196,6 +208,7 @@ absl::Status Oss::step() {
     MemoryCategoryScope category(MemoryCategory::optimizer_state);
     inner_->step();
   }
+  external_grad_.assign(local_.size(), false);
   return sync_params();
 }
 

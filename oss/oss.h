@@ -140,6 +140,12 @@ class Oss {
   // Re-reads which parameters are trainable (also done automatically at each step).
   void refresh_trainable();
 
+  // Flat policy, for ShardedDataParallel's reduce-scatter: gives piece k (owned_pieces()[k]) its gradient
+  // directly (`grad` has piece.length elements, any float dtype), so the parameter needs no full-size
+  // gradient. It is used by the next step() instead of a view of the parameter's gradient; after that step
+  // the piece goes back to reading the parameter's gradient.
+  void set_piece_grad(std::size_t k, const Tensor& grad);
+
   // The inner optimizer over this rank's share.
   optim::Optimizer& shard_optimizer() { return *inner_; }
 
@@ -162,6 +168,7 @@ class Oss {
   std::vector<Tensor> shards_;  // parallel to local_: the tensors the inner optimizer steps
   std::unique_ptr<optim::Optimizer> inner_;
   std::vector<bool> trainable_;  // by global index, as last read
+  std::vector<bool> external_grad_;  // parallel to local_: set_piece_grad() since the last step
   std::optional<optim::OptimizerStateDict> consolidated_;
   std::optional<optim::OptimizerStateDict> backup_;  // during load_state_dict only
 };
