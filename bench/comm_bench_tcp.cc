@@ -1,7 +1,9 @@
 // comm_bench, TCP cases: the TCP process group between 2 processes on this host (this benchmark process is
 // rank 0; a forked peer process is rank 1), against the limit measured in the same binary: the
 // bidirectional throughput of one raw loopback TCP connection with both ends sending and receiving the same
-// number of bytes at once (per-direction bytes/s).
+// number of bytes at once (per-direction bytes/s). Every iteration runs the raw exchange (the bytes each
+// rank sends in the call) right before the call, and the ratio is taken over the same iterations, so both
+// see the same machine load; the reported time is the call's alone.
 //
 // Counters (nccl-tests definitions, S = the bytes that define the call):
 //   all_reduce(S = tensor bytes)              busbw = S/t · 2(n−1)/n
@@ -72,27 +74,43 @@ double raw_exchange(int fd, char* out, char* in, std::size_t bytes) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Executes one command on either rank.
+double factor_of(const std::string& op) {
+  return op == "all_reduce" ? 2.0 * (kWorld - 1) / kWorld : 1.0 * (kWorld - 1) / kWorld;
+}
+
+// One collective call on tensors prepared for `bytes`.
+struct CollectiveBuffers {
+  CollectiveBuffers(std::int64_t bytes)
+      : full(Tensor::full({std::max<std::int64_t>(kWorld, bytes / 4)}, 1.0, {})),
+        half(Tensor::full({std::max<std::int64_t>(kWorld, bytes / 4) / kWorld}, 1.0, {})) {}
+  absl::Status run(ProcessGroup& pg, const std::string& op) {
+    if (op == "all_reduce") return pg.all_reduce(full)->wait();
+    if (op == "all_gather") return pg.all_gather(full, half)->wait();
+    if (op == "all_gather_in_place") {
+      const std::int64_t m = half.numel();
+      return pg.all_gather(full, full.narrow0(pg.rank() * m, m))->wait();
+    }
+    return pg.reduce_scatter(half, full)->wait();
+  }
+  Tensor full, half;
+};
+
+// Executes one command on the peer: `iters` times, a raw exchange of the bytes each rank sends in the
+// collective, then the collective (rank 0 does the same, timing both; see run_collective).
 void run_command(ProcessGroup& pg, int raw_fd, const std::string& op, std::int64_t bytes, std::int64_t iters,
                  std::vector<char>& raw_out, std::vector<char>& raw_in) {
-  const std::int64_t elems = std::max<std::int64_t>(1, bytes / 4);
+  const std::int64_t per_direction =
+      op == "raw" ? bytes : static_cast<std::int64_t>(static_cast<double>(bytes) * factor_of(op));
+  raw_out.resize(static_cast<std::size_t>(per_direction));
+  raw_in.resize(static_cast<std::size_t>(per_direction));
   if (op == "raw") {
-    raw_out.resize(static_cast<std::size_t>(bytes));
-    raw_in.resize(static_cast<std::size_t>(bytes));
-    for (std::int64_t i = 0; i < iters; ++i) raw_exchange(raw_fd, raw_out.data(), raw_in.data(), static_cast<std::size_t>(bytes));
+    for (std::int64_t i = 0; i < iters; ++i) raw_exchange(raw_fd, raw_out.data(), raw_in.data(), raw_out.size());
     return;
   }
-  if (op == "all_reduce") {
-    Tensor t = Tensor::full({elems}, 1.0, {});
-    for (std::int64_t i = 0; i < iters; ++i) (void)pg.all_reduce(t)->wait();
-  } else if (op == "all_gather") {
-    Tensor out = Tensor::zeros({elems}, {});
-    Tensor in = Tensor::full({elems / kWorld}, 1.0, {});
-    for (std::int64_t i = 0; i < iters; ++i) (void)pg.all_gather(out, in)->wait();
-  } else if (op == "reduce_scatter") {
-    Tensor in = Tensor::full({elems}, 1.0, {});
-    Tensor out = Tensor::zeros({elems / kWorld}, {});
-    for (std::int64_t i = 0; i < iters; ++i) (void)pg.reduce_scatter(out, in)->wait();
+  CollectiveBuffers buffers(bytes);
+  for (std::int64_t i = 0; i < iters; ++i) {
+    raw_exchange(raw_fd, raw_out.data(), raw_in.data(), raw_out.size());
+    (void)buffers.run(pg, op);
   }
 }
 
@@ -150,20 +168,6 @@ class TcpBench {
   std::vector<char>& raw_out() { return raw_out_; }
   std::vector<char>& raw_in() { return raw_in_; }
 
-  // Raw per-direction bandwidth (bytes/s) for `bytes` each way, measured now (right before the collective it
-  // normalises, so both see the same machine load): total bytes over total time of a few exchanges.
-  double raw_limit(std::int64_t bytes) {
-    const std::int64_t reps = std::clamp<std::int64_t>((128 << 20) / std::max<std::int64_t>(bytes, 1), 2, 50);
-    start("raw", bytes, reps);
-    raw_out_.resize(static_cast<std::size_t>(bytes));
-    raw_in_.resize(static_cast<std::size_t>(bytes));
-    double total = 0;
-    for (std::int64_t i = 0; i < reps; ++i) {
-      total += raw_exchange(raw_.fd(), raw_out_.data(), raw_in_.data(), static_cast<std::size_t>(bytes));
-    }
-    return static_cast<double>(bytes * reps) / total;
-  }
-
  private:
   TcpBench() {
     int fds[2];
@@ -213,40 +217,46 @@ class TcpBench {
   std::vector<char> raw_out_, raw_in_;
 };
 
-// bus-bandwidth factor and the bytes each rank sends per call, for S bytes.
+// Each iteration times a raw exchange of the bytes each rank sends in the call (the limit) and then the
+// call itself, so the two see the same machine load (other processes share these 2 cores); the reported
+// time is the collective's alone (manual time).
 void run_collective(benchmark::State& state, const std::string& op) {
   const std::int64_t bytes = state.range(0);
   TcpBench& b = TcpBench::get();
-  const double factor = op == "all_reduce" ? 2.0 * (kWorld - 1) / kWorld : 1.0 * (kWorld - 1) / kWorld;
+  const double factor = factor_of(op);
   const std::int64_t per_direction = static_cast<std::int64_t>(static_cast<double>(bytes) * factor);
-  const double limit = b.raw_limit(per_direction);
+  b.raw_out().resize(static_cast<std::size_t>(per_direction));
+  b.raw_in().resize(static_cast<std::size_t>(per_direction));
+  CollectiveBuffers buffers(bytes);
   b.start(op, bytes, static_cast<std::int64_t>(state.max_iterations));
-  const std::int64_t elems = std::max<std::int64_t>(1, bytes / 4);
-  Tensor a = Tensor::full({elems}, 1.0, {});
-  Tensor half = Tensor::full({elems / kWorld}, 1.0, {});
+  double raw_seconds = 0, coll_seconds = 0;
   for (auto _ : state) {
-    absl::Status st;
-    if (op == "all_reduce") st = b.pg().all_reduce(a)->wait();
-    else if (op == "all_gather") st = b.pg().all_gather(a, half)->wait();
-    else st = b.pg().reduce_scatter(half, a)->wait();
+    raw_seconds += raw_exchange(b.raw_fd(), b.raw_out().data(), b.raw_in().data(), b.raw_out().size());
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status st = buffers.run(b.pg(), op);
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    coll_seconds += t;
+    state.SetIterationTime(t);
     if (!st.ok()) {
       state.SkipWithError(st.ToString().c_str());
       break;
     }
   }
+  const double iters = static_cast<double>(state.iterations());
+  const double busbw = static_cast<double>(bytes) * factor * iters / coll_seconds;
+  const double limit = static_cast<double>(per_direction) * iters / raw_seconds;
   state.SetBytesProcessed(state.iterations() * bytes);
-  state.counters["busbw_GBps"] = benchmark::Counter(static_cast<double>(bytes) * factor * 1e-9,
-                                                    benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["busbw_GBps"] = busbw * 1e-9;
   state.counters["limit_GBps"] = limit * 1e-9;
+  state.counters["frac_of_limit"] = busbw / limit;
   state.counters["n"] = kWorld;
-  // frac_of_limit = busbw / limit, computed from the measured time.
-  state.counters["frac_of_limit"] = benchmark::Counter(static_cast<double>(bytes) * factor / limit,
-                                                       benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_TcpAllReduce(benchmark::State& state) { run_collective(state, "all_reduce"); }
 void BM_TcpAllGather(benchmark::State& state) { run_collective(state, "all_gather"); }
 void BM_TcpReduceScatter(benchmark::State& state) { run_collective(state, "reduce_scatter"); }
+// all_gather whose input is this rank's slice of the output (no local copy), as FSDP uses it.
+void BM_TcpAllGatherInPlace(benchmark::State& state) { run_collective(state, "all_gather_in_place"); }
 
 // The limit itself, as its own row.
 void BM_TcpRawLoopbackBidirectional(benchmark::State& state) {
@@ -261,11 +271,12 @@ void BM_TcpRawLoopbackBidirectional(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-#define SK_TCP_SIZES RangeMultiplier(4)->Range(4 << 10, 256 << 20)->UseRealTime()->Unit(benchmark::kMillisecond)
-BENCHMARK(BM_TcpRawLoopbackBidirectional)->SK_TCP_SIZES;
-BENCHMARK(BM_TcpAllReduce)->SK_TCP_SIZES;
-BENCHMARK(BM_TcpAllGather)->SK_TCP_SIZES;
-BENCHMARK(BM_TcpReduceScatter)->SK_TCP_SIZES;
+#define SK_TCP_SIZES RangeMultiplier(4)->Range(4 << 10, 256 << 20)->Unit(benchmark::kMillisecond)
+BENCHMARK(BM_TcpRawLoopbackBidirectional)->SK_TCP_SIZES->UseRealTime();
+BENCHMARK(BM_TcpAllReduce)->SK_TCP_SIZES->UseManualTime();
+BENCHMARK(BM_TcpAllGather)->SK_TCP_SIZES->UseManualTime();
+BENCHMARK(BM_TcpAllGatherInPlace)->SK_TCP_SIZES->UseManualTime();
+BENCHMARK(BM_TcpReduceScatter)->SK_TCP_SIZES->UseManualTime();
 #undef SK_TCP_SIZES
 
 }  // namespace

@@ -74,7 +74,9 @@ struct RecvChunk {
   char* dst;
   std::size_t bytes;
   RecvMode mode;
-  bool finalize;  // divide by n after reducing (avg, owned segment)
+  bool finalize;          // divide by n after reducing (avg, owned segment)
+  char* out = nullptr;    // kReduce: where dst (op) received goes; null = dst (reduce_scatter's last step
+                          // writes straight into the output, saving a copy)
 };
 
 struct Segment {
@@ -105,7 +107,7 @@ class StreamBuilder {
 
   void header(const CallHeader* out, CallHeader* in) {
     if (out) sends.push_back({reinterpret_cast<const char*>(out), sizeof(CallHeader), -1});
-    if (in) recvs.push_back({reinterpret_cast<char*>(in), sizeof(CallHeader), RecvMode::kHeader, false});
+    if (in) recvs.push_back({reinterpret_cast<char*>(in), sizeof(CallHeader), RecvMode::kHeader, false, nullptr});
   }
 
   // One step: send `send_seg` (when send), receive `recv_seg` (when recv). When `chained`, the sends of this
@@ -130,7 +132,7 @@ class StreamBuilder {
         const std::int64_t c = std::min(chunk_elems_, recv_seg->count - off);
         this_recv.push_back(static_cast<std::int64_t>(recvs.size()));
         recvs.push_back({base_ + static_cast<std::size_t>(recv_seg->offset + off) * elem_,
-                         static_cast<std::size_t>(c) * elem_, mode, finalize});
+                         static_cast<std::size_t>(c) * elem_, mode, finalize, nullptr});
       }
     }
     prev_recv_ = std::move(this_recv);
@@ -401,6 +403,20 @@ struct StreamRunner {
   std::string what;  // "all_reduce #3 (...) on rank 1"
 
   std::size_t sent_bytes = 0, recv_bytes = 0, send_total = 0, recv_total = 0;
+  // A local copy done while the sockets are busy (all_gather's own slice), finished before returning.
+  char* copy_dst = nullptr;
+  const char* copy_src = nullptr;
+  std::size_t copy_left = 0;
+
+  bool copy_some(std::size_t max_bytes) {
+    if (copy_left == 0) return false;
+    const std::size_t k = std::min(copy_left, max_bytes);
+    std::memcpy(copy_dst, copy_src, k);
+    copy_dst += k;
+    copy_src += k;
+    copy_left -= k;
+    return true;
+  }
 
   absl::Status run(const std::vector<SendChunk>& sends, const std::vector<RecvChunk>& recvs) {
     for (const auto& c : sends) send_total += c.bytes;
@@ -447,7 +463,8 @@ struct StreamRunner {
           recv_bytes += static_cast<std::size_t>(k);
           if (roff == c.bytes) {
             if (c.mode == RecvMode::kReduce) {
-              tcp_reduce::combine(c.dst, scratch, c.bytes / dtype_size(dtype), dtype, kind, c.finalize ? n : 0);
+              tcp_reduce::combine(c.out ? c.out : c.dst, c.dst, scratch, c.bytes / dtype_size(dtype), dtype, kind,
+                                  c.finalize ? n : 0);
             } else if (c.mode == RecvMode::kHeader) {
               if (auto st = check_header(*reinterpret_cast<const CallHeader*>(c.dst)); !st.ok()) return st;
             }
@@ -466,6 +483,7 @@ struct StreamRunner {
         spin_until = absl::InfiniteFuture();
         continue;
       }
+      if (copy_some(256 << 10)) continue;  // useful work instead of waiting
       const absl::Time now = absl::Now();
       if (now >= deadline) return timed_out(si < sends.size(), ri < recvs.size());
       if (spin_until == absl::InfiniteFuture()) spin_until = now + spin;
@@ -496,6 +514,7 @@ struct StreamRunner {
       }
       spin_until = absl::InfiniteFuture();
     }
+    copy_some(copy_left);
     return absl::OkStatus();
   }
 
@@ -557,11 +576,16 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
   if (reduces && call.op.kind == ReduceKind::premul_sum) {
     tcp_reduce::scale(base, static_cast<std::size_t>(main.numel()), dtype, call.op.factor);
   }
+  // all_gather: this rank's slice is sent straight from the input and copied into the output while the
+  // sockets are busy; reduce_scatter: the last step reduces straight into the output (see below).
+  char* own_slot = nullptr;
+  const char* own_input = nullptr;
+  std::size_t own_bytes = 0;
   if (call.kind == CollectiveKind::all_gather) {
-    char* slot = base + static_cast<std::size_t>(r) * call.input.nbytes();
-    if (slot != call.input.raw_data() && call.input.nbytes() > 0) {
-      std::memmove(slot, call.input.raw_data(), call.input.nbytes());
-    }
+    own_slot = base + static_cast<std::size_t>(r) * call.input.nbytes();
+    own_input = static_cast<const char*>(call.input.raw_data());
+    own_bytes = call.input.nbytes();
+    if (own_slot == own_input) own_bytes = 0;
   }
   // The kernel-level kind used for partial results: avg and premul_sum are sums until the end.
   ReduceKind kind = call.op.kind;
@@ -576,6 +600,7 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
   };
 
   if (n == 1 && !is_p2p) {
+    if (own_bytes > 0) std::memmove(own_slot, own_input, own_bytes);
     finish_reduce_scatter();
     return absl::OkStatus();
   }
@@ -664,6 +689,24 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
     }
   }
   runner.expected = &expected;
+  if (own_bytes > 0) {
+    // Step 0 sends this rank's slice: read it from the input, and copy it into place meanwhile.
+    for (SendChunk& c : b.sends) {
+      if (c.after_recv == -1 && c.data >= own_slot && c.data < own_slot + own_bytes) c.data = own_input + (c.data - own_slot);
+    }
+    runner.copy_dst = own_slot;
+    runner.copy_src = own_input;
+    runner.copy_left = own_bytes;
+  }
+  bool wrote_output = false;
+  if (call.kind == CollectiveKind::reduce_scatter && call.output.nbytes() > 0) {
+    char* seg = base + static_cast<std::size_t>(r) * call.output.nbytes();
+    char* out = static_cast<char*>(call.output.raw_data());
+    for (RecvChunk& c : b.recvs) {
+      if (c.mode == RecvMode::kReduce && c.dst >= seg && c.dst < seg + call.output.nbytes()) c.out = out + (c.dst - seg);
+    }
+    wrote_output = true;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     current_ = absl::StrCat("waiting on ", runner.recv_peer >= 0 ? absl::StrCat("rank ", runner.recv_peer) : "",
@@ -687,7 +730,7 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
     }
     return st;
   }
-  finish_reduce_scatter();
+  if (!wrote_output) finish_reduce_scatter();
   return absl::OkStatus();
 }
 
