@@ -209,6 +209,11 @@ absl::Status Oss::step() {
     inner_->step();
   }
   external_grad_.assign(local_.size(), false);
+  if (options_.policy == PartitionPolicy::flat) {
+    // The pieces' gradients are views of (or were handed in for) this step only: drop them, so they do not
+    // keep last step's gradient buffers alive through the next backward.
+    for (const Tensor& shard : shards_) shard.set_grad(Tensor());
+  }
   return sync_params();
 }
 
