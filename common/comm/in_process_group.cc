@@ -18,6 +18,19 @@
 namespace shardkit::comm {
 namespace {
 
+// Note [in-process spin]
+// A rendezvous waiter first spins on the group's generation counter for up to 50 us, then blocks on the
+// world mutex (absl::Mutex::AwaitWithDeadline). Blocking costs ~50 us per wake-up in this VM (DESIGN.md
+// section 9), which would dominate small collectives; spinning only pays when every rank has a core, so
+// groups larger than the hardware thread count never spin (they would steal the core of the rank they
+// wait for).
+//
+// Note [in-process p2p]
+// A send and its recv meet in the (src, dst) queue of the group; whoever comes second copies the bytes
+// under the world mutex and completes both Works. Copying under the lock keeps the deadline path simple
+// (an entry is either still queued, and its deadline may fail it, or done); p2p is rare and small in the
+// sharding layers (state consolidation), so the serialisation does not matter.
+
 // What a rank publishes at a collective's enter point (see Note [in-process collectives]).
 struct CallDesc {
   const CollectiveCall* call = nullptr;  // valid while its rank waits at the enter point
@@ -386,7 +399,7 @@ std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {
     work->complete(st);
     return work;
   }
-  // Copy under the lock: keeps the deadline path simple (Note [in-process p2p]); p2p is rare and small.
+  // Copy under the lock (Note [in-process p2p]).
   if (send_t.nbytes() > 0) std::memcpy(recv_t.raw_data(), send_t.raw_data(), send_t.nbytes());
   peer_entry.work->complete(absl::OkStatus());
   work->complete(absl::OkStatus());
