@@ -187,3 +187,35 @@ INSTANTIATE_TEST_SUITE_P(Ranks, OssEquivalence,
 
 }  // namespace
 }  // namespace shardkit::oss
+
+namespace shardkit::oss {
+namespace {
+
+// Low-precision broadcast: every rank (the owner too) ends with the parameters rounded to bf16, identical
+// everywhere, and close to the full-precision run.
+TEST(OssBroadcastDtype, Bf16BroadcastKeepsRanksIdentical) {
+  for (PartitionPolicy policy : {PartitionPolicy::greedy, PartitionPolicy::flat}) {
+    std::vector<std::vector<std::vector<float>>> got(3);
+    absl::Status st = RunRanks(3, [&](RankEnv& env) -> absl::Status {
+      std::vector<Tensor> params = MakeParams(kShapes, 7);
+      auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr,
+                             {.policy = policy, .bucket_bytes = 40, .broadcast_dtype = DType::bf16});
+      if (!oss.ok()) return oss.status();
+      for (int step = 0; step < 3; ++step) {
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].set_grad(LocalGrad(params[i], 0, step, static_cast<int>(i)));
+        if (absl::Status s = (*oss)->step(); !s.ok()) return s;
+      }
+      for (const Tensor& p : params) got[static_cast<std::size_t>(env.rank)].push_back(p.to_vector());
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(got[1], got[0]);
+    EXPECT_EQ(got[2], got[0]);
+    for (const auto& p : got[0]) {
+      for (float v : p) EXPECT_EQ(v, bf16_to_f32(f32_to_bf16(v))) << "not a bf16 value";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardkit::oss
