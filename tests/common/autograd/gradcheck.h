@@ -8,7 +8,9 @@
 // truncation error of eps^2 / 6 * |f'''| (~2e-5 at eps = 1e-2 for the smooth ops here) and a rounding
 // error of about |loss| * 2^-24 / eps (~1e-5 relative for the sizes used). The check allows
 // 1e-2 * max(1, max |gradient|) absolute plus 1e-2 relative, well above both, and well below any real
-// gradient mistake (a wrong term or factor changes gradients by O(1) relative).
+// gradient mistake (a wrong term or factor changes gradients by O(1) relative). Inputs whose natural
+// scale is much smaller than 1 (a GPT's residual stream at init) need a smaller eps: the truncation
+// error grows like (eps / scale)^2.
 #pragma once
 
 #include <algorithm>
