@@ -40,7 +40,15 @@ void fill(float* x, std::int64_t n, float value) {
 
 namespace {
 
-// Checks that every tensor is f32, on out's device and of out's numel.
+// True when x and y view some common bytes of one storage without being the very same elements.
+bool PartlyOverlap(const Tensor& x, const Tensor& y) {
+  if (x.storage() != y.storage() || x.nbytes() == 0 || y.nbytes() == 0) return false;
+  if (x.offset_bytes() == y.offset_bytes() && x.nbytes() == y.nbytes()) return false;
+  return x.offset_bytes() < y.offset_bytes() + y.nbytes() && y.offset_bytes() < x.offset_bytes() + x.nbytes();
+}
+
+// Checks that every tensor is f32, on out's device, of out's numel, and either out itself or disjoint
+// from it (see Note [elementwise aliasing]).
 void CheckF32(const char* op, std::initializer_list<const Tensor*> inputs, const Tensor& out) {
   SK_CHECK(out.dtype() == DType::f32) << op << ": needs f32 tensors, got " << out.describe();
   for (const Tensor* t : inputs) {
@@ -49,6 +57,8 @@ void CheckF32(const char* op, std::initializer_list<const Tensor*> inputs, const
         << op << ": tensors on different devices: " << t->describe() << " and " << out.describe();
     SK_CHECK(t->numel() == out.numel())
         << op << ": sizes differ: " << t->describe() << " and " << out.describe();
+    SK_CHECK(!PartlyOverlap(*t, out)) << op << ": input " << t->describe() << " partly overlaps the output "
+                                      << out.describe() << " (allowed: the very same elements, or disjoint)";
   }
 }
 

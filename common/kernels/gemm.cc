@@ -76,6 +76,12 @@ void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool trans_a, b
                     << b.describe() << (trans_b ? ", transposed" : "") << ")";
   SK_CHECK(out.size(0) == m && out.size(1) == n)
       << "matmul: out is " << out.describe() << ", expected [" << m << ", " << n << "]";
+  for (const Tensor* in : {&a, &b}) {
+    const bool overlap = in->storage() == out.storage() && in->nbytes() > 0 && out.nbytes() > 0 &&
+                         in->offset_bytes() < out.offset_bytes() + out.nbytes() &&
+                         out.offset_bytes() < in->offset_bytes() + in->nbytes();
+    SK_CHECK(!overlap) << "matmul: out " << out.describe() << " overlaps an input " << in->describe();
+  }
   const std::int64_t lda = std::max<std::int64_t>(1, a.size(1));
   const std::int64_t ldb = std::max<std::int64_t>(1, b.size(1));
   const std::int64_t ldc = std::max<std::int64_t>(1, n);

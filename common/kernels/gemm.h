@@ -28,7 +28,7 @@ void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64
 // out = op(a) * op(b) + beta * out for contiguous 2-D f32 tensors on one device: a is [m, k] ([k, m] when
 // trans_a), b is [k, n] ([n, k] when trans_b), out is [m, n]. CPU tensors go through gemm(); CUDA
 // tensors through cuBLAS (on the calling thread's per-thread default stream, asynchronously).
-// Wrong ranks, dtypes, devices or shapes throw InternalError naming the shapes.
+// out must not overlap a or b. Wrong ranks, dtypes, devices or shapes throw InternalError naming the shapes.
 void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool trans_a = false, bool trans_b = false,
             float beta = 0.f);
 

@@ -125,6 +125,16 @@ TEST(ElementwiseTensorTest, MismatchesThrowWithTheTensors) {
     EXPECT_THAT(e.what(), HasSubstr("axpy: needs f32 tensors, got bf16[4] cpu"));
   }
   EXPECT_THROW(fill(a.to(DType::f16), 0.f), InternalError);
+  // In place (the very same elements) is fine; a shifted view of the output is not.
+  const Tensor flat = Tensor::from_vector({1, 2, 3, 4, 5}, {5});
+  add(flat.view(0, {4}), flat.view(0, {4}), flat.view(0, {4}));
+  EXPECT_EQ(flat.to_vector(), (std::vector<float>{2, 4, 6, 8, 5}));
+  try {
+    add(flat.view(1, {4}), flat.view(0, {4}), flat.view(0, {4}));
+    FAIL() << "expected InternalError";
+  } catch (const InternalError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("partly overlaps the output"));
+  }
 }
 
 }  // namespace

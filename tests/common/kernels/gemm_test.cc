@@ -214,6 +214,8 @@ TEST(MatmulTest, ShapeErrorsNameTheShapes) {
     EXPECT_THAT(e.what(), HasSubstr("expected [2, 5]"));
   }
   EXPECT_THROW(matmul(Tensor::zeros({6}), b, out), InternalError);
+  const Tensor square = Tensor::zeros({3, 3});
+  EXPECT_THROW(matmul(square, Tensor::zeros({3, 3}), square), InternalError);  // BLAS cannot write its input
   EXPECT_THROW(matmul(a.to(DType::bf16), Tensor::zeros({3, 5}), out), InternalError);
 }
 
