@@ -59,7 +59,12 @@ function(shardkit_test name)
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 300)
   endif()
-  set(labels unit ${ARG_LABELS})
+  # Note: CMake 3.25's gtest discovery (PRE_TEST) writes PROPERTIES unquoted, so a multi-value LABELS list
+  # turns "long" into a property name; a test carries exactly one label: its LABELS, or "unit".
+  set(labels unit)
+  if(ARG_LABELS)
+    list(GET ARG_LABELS 0 labels)
+  endif()
   gtest_discover_tests(${name} DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 60
     PROPERTIES LABELS "${labels}" TIMEOUT ${ARG_TIMEOUT})
 endfunction()

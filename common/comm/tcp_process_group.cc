@@ -153,7 +153,8 @@ bool would_block(int e) { return e == EAGAIN || e == EWOULDBLOCK || e == EINTR; 
 }  // namespace
 
 struct TcpProcessGroup::Impl {
-  std::vector<char> scratch;  // one chunk, for receive-then-reduce
+  // One chunk, for receive-then-reduce; charged to the creating rank's ledger as communication_buffer.
+  Tensor scratch;
   std::vector<char> barrier;  // one byte per rank (contents unused)
 };
 
@@ -189,7 +190,8 @@ absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
     return absl::StrCat("TcpProcessGroup '", name(), "' rank ", r, " of ", n, ": ", what);
   };
   if (options_.chunk_bytes == 0) return absl::InvalidArgumentError(where("expected chunk_bytes > 0, found 0"));
-  impl_->scratch.resize(options_.chunk_bytes + 8);
+  impl_->scratch = Tensor::empty({static_cast<std::int64_t>(options_.chunk_bytes / 8 + 1)},
+                                 TensorOptions{}.with_dtype(DType::i64).with_category(MemoryCategory::communication_buffer));
   if (n == 1) return absl::OkStatus();
 
   auto listener = tcp::listen_on(options_.listen_host, 0);
@@ -609,7 +611,7 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
   runner.dtype = dtype;
   runner.kind = kind;
   runner.n = call.op.kind == ReduceKind::avg ? n : 0;
-  runner.scratch = impl_->scratch.data();
+  runner.scratch = static_cast<char*>(impl_->scratch.raw_data());
   runner.deadline = call.deadline;
   runner.spin = options_.spin;
   runner.what = what;

@@ -12,6 +12,7 @@
 #include "common/comm/tcp_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/common/comm/tcp_test_ranks.h"
 #include "tests/common/comm/tcp_test_util.h"
 
 namespace shardkit::comm {
@@ -20,28 +21,7 @@ namespace {
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using tcp_testing::run_collective_matrix;
-
-// Runs fn(rank, group) on n threads, each with its own store client and TCP group.
-void run_tcp_ranks(int n, TcpProcessGroupOptions options, const std::function<void(int, std::shared_ptr<TcpProcessGroup>&)>& fn) {
-  TcpStoreOptions so;
-  so.is_server = true;
-  auto server = TcpStore::create(so);
-  ASSERT_TRUE(server.ok()) << server.status();
-  const std::uint16_t port = (*server)->port();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      TcpStoreOptions co;
-      co.port = port;
-      auto store = TcpStore::create(co);
-      ASSERT_TRUE(store.ok()) << store.status();
-      auto pg = TcpProcessGroup::create(std::shared_ptr<Store>(std::move(*store)), r, n, options);
-      ASSERT_TRUE(pg.ok()) << pg.status();
-      fn(r, *pg);
-    });
-  }
-  for (auto& t : threads) t.join();
-}
+using tcp_testing::run_tcp_ranks;
 
 TcpProcessGroupOptions small_chunks() {
   TcpProcessGroupOptions o;
@@ -71,6 +51,7 @@ TEST_P(TcpCollectives, LargeTensorsWithTheDefaultChunk) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TcpCollectives, ::testing::Values(2, 3, 4));
+
 
 TEST(TcpProcessGroup, OneRankGroupIsLocal) {
   run_tcp_ranks(1, {}, [&](int, std::shared_ptr<TcpProcessGroup>& pg) {
