@@ -92,7 +92,7 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
   TcpStoreOptions so;
   so.host = env->master_addr;
   so.port = env->master_port;
-  so.is_server = env->rank == 0;
+  so.is_server = options.host_store && env->rank == 0;
   so.token = options.store_token;
   so.connect_timeout = options.store_connect_timeout;
   auto store = TcpStore::create(so);

@@ -1,7 +1,8 @@
 // init_from_env(): the torchrun convention (DESIGN.md section 2). Reads RANK, WORLD_SIZE, LOCAL_RANK,
 // MASTER_ADDR, MASTER_PORT (as set by tools/shardrun), connects a TcpStore (rank 0 hosts its server on
-// MASTER_ADDR:MASTER_PORT; the others retry connecting until store_connect_timeout) and returns this rank's
-// TCP process group over all WORLD_SIZE ranks.
+// MASTER_ADDR:MASTER_PORT, or with host_store = false every rank connects to a standalone server such as
+// tools/shardkit-store; clients retry connecting until store_connect_timeout) and returns this rank's TCP
+// process group over all WORLD_SIZE ranks.
 //
 // Errors: InvalidArgument naming the variable, e.g. "expected environment variable RANK to be an integer in
 // [0, WORLD_SIZE=4), found '7'" or "... found it unset"; the store's and group's own errors otherwise.
@@ -44,6 +45,8 @@ struct InitFromEnvOptions {
     return o;
   }();
   absl::Duration store_connect_timeout = absl::Seconds(120);
+  // Rank 0 hosts the store server; false: a standalone server already listens at MASTER_ADDR:MASTER_PORT.
+  bool host_store = true;
   std::string store_token;  // empty: SHARDKIT_STORE_TOKEN if set
 };
 

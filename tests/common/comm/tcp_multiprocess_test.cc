@@ -1,6 +1,12 @@
 // The TCP backend with ranks as processes started by tools/shardrun and init_from_env(): the collective
 // matrix at n = 2, 3, 4, and a rank SIGKILLed mid-all_reduce (every other rank reports an error naming it
 // within its deadline and shardrun exits non-zero). Also init_from_env's environment parsing.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <string>
 
 #include "common/comm/init_from_env.h"
@@ -16,6 +22,43 @@ using shardkit::testing::run_command;
 
 const std::string kShardrun = SHARDRUN_PATH;
 const std::string kWorker = TCP_WORKER_PATH;
+const std::string kStore = SHARDKIT_STORE_PATH;
+
+// A running shardkit-store (its own process group; SIGKILLed on destruction) and the port it printed.
+class StandaloneStore {
+ public:
+  explicit StandaloneStore(const std::string& token) {
+    int out[2];
+    EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::setpgid(0, 0);
+      ::dup2(out[1], 1);
+      ::setenv("SHARDKIT_STORE_TOKEN", token.c_str(), 1);
+      ::execl(kStore.c_str(), kStore.c_str(), "--port", "0", static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    // Read the "listening on host:port" line (bounded: the pipe closes if the server dies).
+    std::string line;
+    char c;
+    pollfd p{out[0], POLLIN, 0};
+    while (line.find('\n') == std::string::npos && ::poll(&p, 1, 10000) > 0 && ::read(out[0], &c, 1) == 1) line += c;
+    ::close(out[0]);
+    const auto colon = line.rfind(':');
+    if (colon != std::string::npos) port_ = std::atoi(line.c_str() + colon + 1);
+  }
+  ~StandaloneStore() {
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+  }
+  int port() const { return port_; }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
 
 class TcpProcesses : public ::testing::TestWithParam<int> {};
 
@@ -46,6 +89,23 @@ TEST(TcpProcesses, SigkilledRankIsNamedByEveryOtherRank) {
     // Within the call's 10 s deadline.
     EXPECT_LT(std::atoi(line.c_str() + prefix.size() + 1), 10000) << line;
   }
+}
+
+TEST(TcpProcesses, StandaloneStoreWithToken) {
+  StandaloneStore store("job-secret");
+  ASSERT_GT(store.port(), 0);
+  auto ok = run_command({kShardrun, "--nproc", "3", "--master-port", std::to_string(store.port()), "--", kWorker,
+                         "external"},
+                        60, {{"SHARDKIT_STORE_TOKEN", "job-secret"}});
+  EXPECT_EQ(ok.exit_code, 0) << ok.out << ok.err;
+  for (int rank = 0; rank < 3; ++rank) EXPECT_THAT(ok.out, HasSubstr("[rank " + std::to_string(rank) + "] EXTERNAL OK"));
+  // A rank with the wrong token is refused at the handshake.
+  auto refused = run_command({kShardrun, "--nproc", "2", "--master-port", std::to_string(store.port()), "--", kWorker,
+                              "external"},
+                             60, {{"SHARDKIT_STORE_TOKEN", "wrong"}});
+  EXPECT_EQ(refused.exit_code, 2) << refused.out << refused.err;
+  EXPECT_THAT(refused.out, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(refused.out, HasSubstr("wrong or missing token"));
 }
 
 TEST(InitFromEnv, ParsesTheTorchrunVariables) {

@@ -1,5 +1,7 @@
 // A rank program for the multi-process TCP tests, launched by shardrun (tcp_multiprocess_test.cc).
 //   tcp_worker matrix          every collective x op x dtype against the reference; prints "MATRIX OK"
+//   tcp_worker external        init_from_env against a standalone store (host_store = false); one all_reduce;
+//                              prints "EXTERNAL OK"
 //   tcp_worker kill V K        all_reduce of 4 MiB in a loop; rank V SIGKILLs itself right after issuing
 //                              call K (mid-all_reduce); the others print "ERROR <ms> ms: <status>" and exit 3
 #include <signal.h>
@@ -20,6 +22,10 @@ int main(int argc, char** argv) {
   InitFromEnvOptions options;
   options.group.default_timeout = absl::Seconds(30);
   if (mode == "matrix") options.group.chunk_bytes = 24;
+  if (mode == "external") {
+    options.host_store = false;
+    options.store_connect_timeout = absl::Seconds(5);
+  }
   if (mode == "kill") {
     ::signal(SIGTERM, SIG_IGN);  // report our error even though shardrun starts stopping us
     options.group.default_timeout = absl::Seconds(10);
@@ -37,6 +43,17 @@ int main(int argc, char** argv) {
     for (const auto& e : errors) std::printf("MISMATCH %s\n", e.c_str());
     if (!errors.empty()) return 1;
     std::printf("MATRIX OK rank %d of %d\n", g.rank(), g.size());
+    return 0;
+  }
+  if (mode == "external") {
+    Tensor t = Tensor::full({1000}, g.rank() + 1, {});
+    absl::Status st = g.all_reduce(t)->wait();
+    const double want = g.size() * (g.size() + 1) / 2.0;
+    if (!st.ok() || t.item_at(999) != want) {
+      std::printf("EXTERNAL FAILED: %s %g\n", st.ToString().c_str(), t.item_at(999));
+      return 1;
+    }
+    std::printf("EXTERNAL OK\n");
     return 0;
   }
   if (mode == "kill" && argc >= 4) {
