@@ -72,7 +72,7 @@ Tensor GPT::forward(const Tensor& idx) {
   const std::int64_t t = idx.size(1);
   SK_CHECK_LE(t, config_.context) << "GPT: sequence longer than the context";
   Tensor x = (*wte)(idx);
-  x = autograd::add(x, autograd::narrow(wpe->weight(), 0, 0, t));
+  x = autograd::add(x, autograd::narrow(as_f32(wpe->weight()), 0, 0, t));
   for (std::size_t i = 0; i < blocks->size(); ++i) x = (*(*blocks)[i])(x);
   x = (*ln_f)(x);
   return (*lm_head)(x);

@@ -23,7 +23,7 @@ Linear::Linear(Tensor weight, Tensor bias) : Module("Linear") {
 }
 
 Tensor Linear::forward(const Tensor& x) {
-  return autograd::linear(x, weight(), has_bias() ? parameter("bias") : Tensor());
+  return autograd::linear(x, as_f32(weight()), has_bias() ? as_f32(parameter("bias")) : Tensor());
 }
 
 Embedding::Embedding(std::int64_t num_embeddings, std::int64_t dim, Generator& gen, float init_std)
@@ -31,7 +31,7 @@ Embedding::Embedding(std::int64_t num_embeddings, std::int64_t dim, Generator& g
   register_parameter("weight", init::normal({num_embeddings, dim}, gen, 0.f, init_std));
 }
 
-Tensor Embedding::forward(const Tensor& indices) { return autograd::embedding(weight(), indices); }
+Tensor Embedding::forward(const Tensor& indices) { return autograd::embedding(as_f32(weight()), indices); }
 
 LayerNorm::LayerNorm(std::int64_t dim, float eps) : Module("LayerNorm"), eps_(eps) {
   register_parameter("weight", init::ones({dim}));
@@ -39,7 +39,7 @@ LayerNorm::LayerNorm(std::int64_t dim, float eps) : Module("LayerNorm"), eps_(ep
 }
 
 Tensor LayerNorm::forward(const Tensor& x) {
-  return autograd::layer_norm(x, parameter("weight"), parameter("bias"), eps_);
+  return autograd::layer_norm(x, as_f32(parameter("weight")), as_f32(parameter("bias")), eps_);
 }
 
 BatchNorm1d::BatchNorm1d(std::int64_t features, float momentum, float eps)
@@ -51,7 +51,7 @@ BatchNorm1d::BatchNorm1d(std::int64_t features, float momentum, float eps)
 }
 
 Tensor BatchNorm1d::forward(const Tensor& x) {
-  return autograd::batch_norm(x, parameter("weight"), parameter("bias"), buffer("running_mean"),
+  return autograd::batch_norm(x, as_f32(parameter("weight")), as_f32(parameter("bias")), buffer("running_mean"),
                               buffer("running_var"), is_training(), momentum_, eps_);
 }
 

@@ -12,6 +12,13 @@
 
 namespace shardkit::nn {
 
+// A parameter as the fp32 ops need it: itself when fp32, else a differentiable cast (its gradient
+// flows back in the parameter's dtype). See Module::to.
+inline Tensor as_f32(const Tensor& p) {
+  if (!p.defined() || p.dtype() == DType::f32) return p;
+  return autograd::cast(p, DType::f32);
+}
+
 // y = x W^T + b, W [out, in]. Default init as PyTorch: U(-1/sqrt(in), 1/sqrt(in)) for W and b;
 // with init_std > 0 instead W ~ N(0, init_std) and b = 0 (GPT-2's init).
 class Linear : public Module {

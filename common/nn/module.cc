@@ -2,6 +2,7 @@
 
 #include <map>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -194,6 +195,23 @@ void Module::zero_grad(bool set_to_none) {
     } else {
       t.grad().zero_();
     }
+  }
+}
+
+void Module::to(DType dtype) {
+  SK_CHECK(is_floating(dtype)) << "Module::to: expected a floating dtype";
+  absl::flat_hash_map<const TensorImpl*, Tensor> converted;
+  auto convert = [&](const Tensor& t) -> Tensor {
+    if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return t;
+    auto it = converted.find(t.id());
+    if (it != converted.end()) return it->second;
+    Tensor n = t.to(dtype, t.storage() ? std::optional<MemoryCategory>(t.storage()->category()) : std::nullopt);
+    n.set_requires_grad(t.requires_grad());
+    converted.emplace(t.id(), n);
+    return n;
+  };
+  for (auto& [name, m] : named_modules()) {
+    for (auto& [n, t] : m->params_) t = convert(t);
   }
 }
 

@@ -119,6 +119,12 @@ class Module {
   void apply(const std::function<void(Module&)>& fn);
   void set_requires_grad(bool requires_grad);
   void zero_grad(bool set_to_none = true);
+  // Converts every floating-point parameter to `dtype` (new tensors, charged like the originals,
+  // requires_grad kept, gradients dropped; buffers such as BatchNorm's running statistics stay fp32). A tensor shared by several modules stays
+  // shared (GPT's tied embedding). Layers compute in fp32 and cast bf16/f16 parameters on the fly,
+  // so a converted model still trains; its gradients have the parameters' dtype (bf16 grads: 2 bytes
+  // per parameter, the mixed-precision rows of DESIGN.md section 6).
+  void to(DType dtype);
 
   // ---- state dict ------------------------------------------------------------------------------
   // Every parameter name (duplicates included) and every buffer, as handles over the live bytes
