@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "common/tensor/device.h"
 #include "common/tensor/dtype.h"
@@ -21,6 +22,10 @@ namespace shardkit::kernels::cuda {
 void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
           std::int64_t ldc);
+
+// Loads cuBLAS if not yet loaded (Note [cuBLAS loaded on first use] in gemm.cu; needs no GPU) and returns
+// why it cannot be used, or "" when it can.
+std::string cublas_load_error();
 
 // Reductions of n elements of a floating dtype; fp32 per thread, double across blocks (see reduce.h).
 double sum(Device device, const void* x, DType dtype, std::int64_t n);

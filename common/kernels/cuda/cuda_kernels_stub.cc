@@ -16,6 +16,7 @@ void gemm(Device, bool, bool, std::int64_t, std::int64_t, std::int64_t, float, c
           const float*, std::int64_t, float, float*, std::int64_t) {
   NoCuda("cuda::gemm");
 }
+std::string cublas_load_error() { return "shardkit was built without CUDA"; }
 double sum(Device, const void*, DType, std::int64_t) { NoCuda("cuda::sum"); }
 double sum_squares(Device, const void*, DType, std::int64_t) { NoCuda("cuda::sum_squares"); }
 double max_abs(Device, const void*, DType, std::int64_t) { NoCuda("cuda::max_abs"); }

@@ -5,10 +5,18 @@
 // column-major C^T = op(B)^T op(A)^T: call cublasSgemm with the operands swapped (B first), the same
 // transpose flags, and the dimensions (n, m, k). Handles use cuBLAS's default math mode: full fp32
 // (no TF32 tensor-core rounding), so results agree with the CPU GEMM to fp32 rounding.
+//
+// Note [cuBLAS loaded on first use]: linking libcublas (and the 540 MB libcublasLt it pulls in) costs
+// every process that links shardkit::kernels 0.1-0.15 s at start-up (their static initialisers), measured
+// here. Every test case is its own process under ctest, and almost every binary links the kernels, so
+// that start-up cost multiplies. cuBLAS is therefore opened with dlopen the first time a CUDA GEMM runs,
+// and its four entry points are looked up once (an immutable table after that: no mutable global state).
 #include <cublas_v2.h>
+#include <dlfcn.h>
 
 #include <limits>
 #include <map>
+#include <string>
 
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/cuda/cuda_util.cuh"
@@ -29,18 +37,60 @@ const char* CublasStatusName(cublasStatus_t s) {
   }
 }
 
+struct CublasApi {
+  std::string error;  // empty when every entry point was found
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasSgemm_v2) sgemm = nullptr;
+};
+
+CublasApi LoadCublas() {
+  CublasApi api;
+  // The soname first (found through the loader's paths), then the library the build linked against.
+  void* lib = dlopen(SHARDKIT_CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) lib = dlopen(SHARDKIT_CUBLAS_PATH, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    api.error = std::string("cannot load cuBLAS (" SHARDKIT_CUBLAS_SONAME " or " SHARDKIT_CUBLAS_PATH "): ") +
+                (why != nullptr ? why : "unknown dlopen error");
+    return api;
+  }
+  // Never dlclose'd: handles may be destroyed at thread exit until the process ends.
+  auto find = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+    if (fn == nullptr && api.error.empty()) api.error = std::string("cuBLAS has no symbol ") + name;
+  };
+  find(api.create, "cublasCreate_v2");
+  find(api.destroy, "cublasDestroy_v2");
+  find(api.set_stream, "cublasSetStream_v2");
+  find(api.sgemm, "cublasSgemm_v2");
+  return api;
+}
+
+const CublasApi& Cublas() {
+  static const CublasApi api = LoadCublas();  // thread-safe one-time initialisation
+  return api;
+}
+
+const CublasApi& CheckedCublas() {
+  const CublasApi& api = Cublas();
+  SK_CHECK(api.error.empty()) << api.error;
+  return api;
+}
+
 // One cuBLAS handle per (thread, device): a handle is bound to a stream and is not safe to share
 // between threads that set streams. Destroyed when the thread exits.
 class ThreadHandles {
  public:
   ~ThreadHandles() {
-    for (auto& [device, handle] : handles_) cublasDestroy(handle);
+    for (auto& [device, handle] : handles_) Cublas().destroy(handle);
   }
   cublasHandle_t get(int device) {
     auto it = handles_.find(device);
     if (it != handles_.end()) return it->second;
     cublasHandle_t h = nullptr;
-    const cublasStatus_t s = cublasCreate(&h);
+    const cublasStatus_t s = CheckedCublas().create(&h);
     SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasCreate on cuda:" << device << ": " << CublasStatusName(s);
     handles_.emplace(device, h);
     return h;
@@ -80,15 +130,18 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
     CheckLaunch("cuda::gemm scale");
     return;
   }
+  const CublasApi& api = CheckedCublas();
   cublasHandle_t h = HandleFor(device.index);
-  cublasStatus_t s = cublasSetStream(h, cudaStreamPerThread);
+  cublasStatus_t s = api.set_stream(h, cudaStreamPerThread);
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSetStream: " << CublasStatusName(s);
   // See Note [row-major through column-major cuBLAS].
-  s = cublasSgemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+  s = api.sgemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
                   static_cast<int>(m), static_cast<int>(k), &alpha, b, static_cast<int>(ldb), a, static_cast<int>(lda),
                   &beta, c, static_cast<int>(ldc));
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSgemm(m=" << m << ", n=" << n << ", k=" << k
                                        << "): " << CublasStatusName(s);
 }
+
+std::string cublas_load_error() { return Cublas().error; }
 
 }  // namespace shardkit::kernels::cuda

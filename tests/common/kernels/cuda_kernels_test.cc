@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/elementwise.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/reduce.h"
@@ -41,6 +42,15 @@ Tensor ToCpu(const Tensor& gpu, DType dtype) {
   Tensor c = Tensor::empty(gpu.shape(), TensorOptions{}.with_dtype(dtype));
   cast(gpu, c);
   return c;
+}
+
+TEST(CudaKernelsTest, CublasLoadsWithoutADevice) {
+#ifdef SHARDKIT_HAS_CUDA
+  // cuBLAS is dlopen'ed on first use (Note [cuBLAS loaded on first use]): loading needs no GPU.
+  EXPECT_EQ(cuda::cublas_load_error(), "");
+#else
+  EXPECT_EQ(cuda::cublas_load_error(), "shardkit was built without CUDA");
+#endif
 }
 
 TEST(CudaKernelsTest, ElementwiseMatchesCpu) {
