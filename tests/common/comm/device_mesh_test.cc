@@ -1,4 +1,5 @@
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/comm/device_mesh.h"
@@ -34,6 +35,40 @@ TEST(DeviceMeshTest, TwoDimensionalGroupsForHsdp) {
     if (absl::Status s = rep.all_reduce(piece)->wait(); !s.ok()) return s;
     EXPECT_EQ(piece.to_vector(), std::vector<float>(2, 15.f));  // 0 + 1 + ... + 5
     return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST(DeviceMeshTest, BothDimensionsConcurrentlyFromTwoThreadsPerRank) {
+  // The contract allows different groups to be driven from different threads of one rank.
+  absl::Status st = RunRanks(4, [&](RankEnv& env) -> absl::Status {
+    auto mesh = DeviceMesh::create(env.group_ptr, {2, 2});
+    if (!mesh.ok()) return mesh.status();
+    const int r = env.rank;
+    absl::Status side_status;
+    std::thread side([&] {
+      for (int k = 0; k < 200 && side_status.ok(); ++k) {
+        Tensor t = Tensor::full({33}, r + k);
+        side_status = mesh->group(0).all_reduce(t)->wait();
+        // Column of r: ranks j and 2 + j.
+        const int j = r % 2;
+        if (side_status.ok() && t.to_vector()[32] != static_cast<float>(j + 2 + j + 2 * k)) {
+          side_status = absl::InternalError("wrong column sum");
+        }
+      }
+    });
+    absl::Status main_status;
+    for (int k = 0; k < 200 && main_status.ok(); ++k) {
+      Tensor t = Tensor::full({17}, r * k);
+      main_status = mesh->group(1).all_reduce(t, {.op = ReduceOp::max()})->wait();
+      const int i = r / 2;
+      if (main_status.ok() && t.to_vector()[0] != static_cast<float>((2 * i + 1) * k)) {
+        main_status = absl::InternalError("wrong row max");
+      }
+    }
+    side.join();
+    if (!side_status.ok()) return side_status;
+    return main_status;
   });
   EXPECT_TRUE(st.ok()) << st;
 }
