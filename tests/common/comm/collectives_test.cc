@@ -22,33 +22,48 @@ std::uint64_t mix(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Input element i of `rank` in case `c`, rounded to dtype, as a float (or an integer for i64).
-float value_f(int c, int rank, std::int64_t i, DType dt) {
-  const std::uint64_t h = mix((static_cast<std::uint64_t>(c) << 48) ^ (static_cast<std::uint64_t>(rank) << 40) ^
-                              static_cast<std::uint64_t>(i));
-  const float v = static_cast<float>(h >> 40) * (1.0f / 8388608.0f) - 1.0f;  // [-1, 1), full mantissa
-  switch (dt) {
-    case DType::bf16: return bf16_to_f32(f32_to_bf16(v));
-    case DType::f16: return f16_to_f32(f32_to_f16(v));
-    default: return v;
-  }
-}
-std::int64_t value_i(int c, int rank, std::int64_t i) {
-  const std::uint64_t h = mix((static_cast<std::uint64_t>(c) << 48) ^ (static_cast<std::uint64_t>(rank) << 40) ^
-                              static_cast<std::uint64_t>(i));
-  return static_cast<std::int64_t>(h % 2000001) - 1000000;
-}
+// The inputs of every rank: element i of rank r, rounded to the dtype. Computed once per test (before
+// the rank threads start) so that the reference costs n table reads per element, not n hashes.
+struct Inputs {
+  int n = 0;
+  std::int64_t m = 0;  // elements per rank
+  DType dt = DType::f32;
+  std::vector<float> f;
+  std::vector<std::int64_t> i;
 
-Tensor make_input(int c, int rank, std::int64_t numel, DType dt) {
-  if (dt == DType::i64) {
-    std::vector<std::int64_t> v(static_cast<std::size_t>(numel));
-    for (std::int64_t i = 0; i < numel; ++i) v[i] = value_i(c, rank, i);
-    return Tensor::from_int64(v, {numel}, TensorOptions{}.with_dtype(dt));
+  Inputs(int n_, std::int64_t m_, DType dt_) : n(n_), m(m_), dt(dt_) {
+    const auto total = static_cast<std::size_t>(n) * static_cast<std::size_t>(m);
+    if (dt == DType::i64) {
+      i.resize(total);
+    } else {
+      f.resize(total);
+    }
+    for (int r = 0; r < n; ++r) {
+      for (std::int64_t k = 0; k < m; ++k) {
+        const std::uint64_t h = mix((static_cast<std::uint64_t>(r) << 40) ^ static_cast<std::uint64_t>(k));
+        const std::size_t at = static_cast<std::size_t>(r) * m + k;
+        if (dt == DType::i64) {
+          i[at] = static_cast<std::int64_t>(h % 2000001) - 1000000;
+        } else {
+          const float v = static_cast<float>(h >> 40) * (1.0f / 8388608.0f) - 1.0f;  // [-1, 1), full mantissa
+          f[at] = dt == DType::bf16 ? bf16_to_f32(f32_to_bf16(v)) : dt == DType::f16 ? f16_to_f32(f32_to_f16(v)) : v;
+        }
+      }
+    }
   }
-  std::vector<float> v(static_cast<std::size_t>(numel));
-  for (std::int64_t i = 0; i < numel; ++i) v[i] = value_f(c, rank, i, dt);
-  return Tensor::from_vector(v, {numel}, TensorOptions{}.with_dtype(dt));
-}
+  float vf(int r, std::int64_t k) const { return f[static_cast<std::size_t>(r) * m + k]; }
+  std::int64_t vi(int r, std::int64_t k) const { return i[static_cast<std::size_t>(r) * m + k]; }
+  double value(int r, std::int64_t k) const { return dt == DType::i64 ? static_cast<double>(vi(r, k)) : vf(r, k); }
+
+  // Rank r's elements [0, numel) as a new tensor.
+  Tensor make(int r, std::int64_t numel) const {
+    const TensorOptions o = TensorOptions{}.with_dtype(dt);
+    if (dt == DType::i64) {
+      return Tensor::from_int64(std::vector<std::int64_t>(i.begin() + r * m, i.begin() + r * m + numel), {numel}, o);
+    }
+    return Tensor::from_vector(std::vector<float>(f.begin() + r * m, f.begin() + r * m + numel), {numel}, o);
+  }
+};
 
 float round_to(float v, DType dt) {
   switch (dt) {
@@ -58,14 +73,15 @@ float round_to(float v, DType dt) {
   }
 }
 
-// Reference reduction of element i (of the case's inputs) over n ranks: ranks in order, f32 accumulation.
-double reference(const ReduceOp& op, int c, int n, std::int64_t i, DType dt) {
-  if (dt == DType::i64) {
+// Reference reduction of element k over the n ranks: ranks in order, f32 accumulation.
+double reference(const ReduceOp& op, const Inputs& in, std::int64_t k) {
+  const int n = in.n;
+  if (in.dt == DType::i64) {
     std::uint64_t acc = 0;
     std::int64_t mn = 0, mx = 0;
     const auto f = static_cast<std::uint64_t>(static_cast<std::int64_t>(op.factor));
     for (int r = 0; r < n; ++r) {
-      const std::int64_t x = value_i(c, r, i);
+      const std::int64_t x = in.vi(r, k);
       acc += op.kind == ReduceKind::premul_sum ? f * static_cast<std::uint64_t>(x) : static_cast<std::uint64_t>(x);
       mn = r == 0 ? x : std::min(mn, x);
       mx = r == 0 ? x : std::max(mx, x);
@@ -80,7 +96,7 @@ double reference(const ReduceOp& op, int c, int n, std::int64_t i, DType dt) {
   const float f = static_cast<float>(op.factor);
   float acc = 0.f;
   for (int r = 0; r < n; ++r) {
-    const float x = value_f(c, r, i, dt);
+    const float x = in.vf(r, k);
     switch (op.kind) {
       case ReduceKind::sum:
       case ReduceKind::avg: acc = r == 0 ? x : acc + x; break;
@@ -90,7 +106,7 @@ double reference(const ReduceOp& op, int c, int n, std::int64_t i, DType dt) {
     }
   }
   if (op.kind == ReduceKind::avg) acc = acc / static_cast<float>(n);
-  return round_to(acc, dt);
+  return round_to(acc, in.dt);
 }
 
 double got_at(const Tensor& t, std::int64_t i) {
@@ -145,47 +161,48 @@ TEST_P(CollectivesTest, MatchesScalarReference) {
   // total stays ~1M elements and odd).
   const std::int64_t shard = big ? (size + n - 1) / n : size;
 
+  const Inputs inputs(n, std::max(size, shard * n), dt);
+
   absl::Status st = RunRanks(
       n,
       [&](RankEnv& env) -> absl::Status {
         ProcessGroup& pg = env.group;
         const int r = env.rank;
         int c = 0;
-        // Big tensors: in each case one rank (c % n) checks every element, the others every 13th (the
-        // reference costs n hashes per element; this keeps the test a few seconds).
+        // Big tensors: in each case one rank (c % n) checks every element, the others every 13th.
         auto stride_for = [&](int cc) -> std::int64_t { return !big || cc % n == r ? 1 : 13; };
         for (const ReduceOp& op : ops) {
           const std::string opname = op.to_string();
           {  // all_reduce
             ++c;
-            Tensor t = make_input(c, r, size, dt);
+            Tensor t = inputs.make(r, size);
             if (absl::Status s = pg.all_reduce(t, {.op = op})->wait(); !s.ok()) return s;
-            expect_all(t, size, stride_for(c), [&](std::int64_t i) { return reference(op, c, n, i, dt); },
+            expect_all(t, size, stride_for(c), [&](std::int64_t i) { return reference(op, inputs, i); },
                        absl::StrCat("all_reduce ", opname, " rank ", r));
           }
           {  // reduce to a root other than 0 when possible
             ++c;
             const int root = n - 1;
-            Tensor t = make_input(c, r, size, dt);
+            Tensor t = inputs.make(r, size);
             if (absl::Status s = pg.reduce(t, {.root = root, .op = op})->wait(); !s.ok()) return s;
             if (r == root) {
-              expect_all(t, size, stride_for(c + 1) == 1 ? 1 : 3, [&](std::int64_t i) { return reference(op, c, n, i, dt); },
+              expect_all(t, size, 1, [&](std::int64_t i) { return reference(op, inputs, i); },
                          absl::StrCat("reduce ", opname, " root ", root));
             }
           }
           for (bool in_place : {false, true}) {  // reduce_scatter
             ++c;
-            Tensor in = make_input(c, r, shard * n, dt);
+            Tensor in = inputs.make(r, shard * n);
             Tensor out = in_place ? in.view(r * shard, {shard}) : Tensor::empty({shard}, TensorOptions{}.with_dtype(dt));
             if (absl::Status s = pg.reduce_scatter(out, in, {.op = op})->wait(); !s.ok()) return s;
-            expect_all(out, shard, stride_for(c), [&](std::int64_t i) { return reference(op, c, n, r * shard + i, dt); },
+            expect_all(out, shard, 1, [&](std::int64_t i) { return reference(op, inputs, r * shard + i); },
                        absl::StrCat("reduce_scatter ", opname, in_place ? " in place" : "", " rank ", r));
           }
         }
         for (bool in_place : {false, true}) {  // all_gather
           ++c;
           Tensor out = Tensor::empty({shard * n}, TensorOptions{}.with_dtype(dt));
-          Tensor in = make_input(c, r, shard, dt);
+          Tensor in = inputs.make(r, shard);
           if (in_place) {
             out.view(r * shard, {shard}).copy_(in);
             in = out.view(r * shard, {shard});
@@ -195,23 +212,17 @@ TEST_P(CollectivesTest, MatchesScalarReference) {
               out, shard * n, stride_for(c),
               [&](std::int64_t i) {
                 const int src = static_cast<int>(i / std::max<std::int64_t>(shard, 1));
-                return dt == DType::i64 ? static_cast<double>(value_i(c, src, i % shard))
-                                        : static_cast<double>(value_f(c, src, i % shard, dt));
+                return inputs.value(src, i % std::max<std::int64_t>(shard, 1));
               },
               absl::StrCat("all_gather", in_place ? " in place" : "", " rank ", r));
         }
         {  // broadcast from the middle rank
           ++c;
           const int root = n / 2;
-          Tensor t = make_input(c, r, size, dt);
+          Tensor t = inputs.make(r, size);
           if (absl::Status s = pg.broadcast(t, {.root = root})->wait(); !s.ok()) return s;
-          expect_all(
-              t, size, stride_for(c),
-              [&](std::int64_t i) {
-                return dt == DType::i64 ? static_cast<double>(value_i(c, root, i))
-                                        : static_cast<double>(value_f(c, root, i, dt));
-              },
-              absl::StrCat("broadcast rank ", r));
+          expect_all(t, size, stride_for(c), [&](std::int64_t i) { return inputs.value(root, i); },
+                     absl::StrCat("broadcast rank ", r));
         }
         return pg.barrier()->wait();
       },
