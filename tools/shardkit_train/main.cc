@@ -1,0 +1,119 @@
+// shardkit-train: trains a byte-level GPT on N ranks with DDP, OSS or ShardedDDP and shows, per rank, what
+// each strategy costs in memory (by ledger category, next to the ZeRO formula) and communication (issue 7).
+//
+//   build/tools/shardkit-train                                 # defaults: oss, 4 threads, model small
+//   build/tools/shardkit-train --strategy ddp --ranks 2 --steps 50
+//   build/tools/shardkit-train --compare                       # every strategy, one table + SVG chart
+//   build/tools/shardrun --nproc 2 -- build/tools/shardkit-train --strategy oss --steps 20   # over TCP
+//
+// Bad input (unknown option or value, missing/empty data file, unwritable checkpoint directory, a
+// checkpoint of another model) prints one line "shardkit-train: error: ..." on stderr and exits 1.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tools/shardkit_train/checkpoint.h"
+#include "tools/shardkit_train/corpus.h"
+#include "tools/shardkit_train/options.h"
+#include "tools/shardkit_train/report.h"
+#include "tools/shardkit_train/trainer.h"
+
+namespace st = shardkit::train;
+
+namespace {
+
+int fail(const absl::Status& s) {
+  std::string msg(s.message());
+  for (char& c : msg) {
+    if (c == '\n') c = ' ';
+  }
+  std::fprintf(stderr, "shardkit-train: error: %s\n", msg.c_str());
+  return 1;
+}
+
+st::ProgressFn make_progress(bool tty, std::int64_t steps) {
+  const std::int64_t every = std::max<std::int64_t>(1, steps / 15);
+  return [tty, every](std::int64_t step, std::int64_t total, double loss, double tps, double eta) {
+    if (tty) {
+      std::printf("\r%s\033[K%s", st::progress_line(step, total, loss, tps, eta, true).c_str(), step == total ? "\n" : "");
+      std::fflush(stdout);
+    } else if (step % every == 0 || step == total || step == 1) {
+      std::printf("%s\n", st::progress_line(step, total, loss, tps, eta, false).c_str());
+      std::fflush(stdout);
+    }
+  };
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto opts = st::parse_options(std::vector<std::string>(argv + 1, argv + argc));
+  if (!opts.ok()) return fail(opts.status());
+  st::Options o = *opts;
+  if (o.help) {
+    std::fputs(st::usage().c_str(), stdout);
+    return 0;
+  }
+  const bool under_launcher = std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
+  const bool is_rank0 = !under_launcher || std::string(std::getenv("RANK")) == "0";
+  if (o.compare && under_launcher) return fail(absl::InvalidArgumentError("--compare runs ranks as threads; start it without shardrun"));
+  if (o.compare && (!o.checkpoint_dir.empty() || o.resume)) {
+    return fail(absl::InvalidArgumentError("--compare does not take --checkpoint-dir or --resume"));
+  }
+  if (under_launcher) o.ranks = std::atoi(std::getenv("WORLD_SIZE"));
+
+  auto model = st::model_size(o.model);
+  if (!model.ok()) return fail(model.status());
+  auto corpus = st::load_corpus(o.data, model->config.context);
+  if (!corpus.ok()) return fail(corpus.status());
+  std::optional<st::Checkpoint> resume;
+  if (!o.checkpoint_dir.empty()) {
+    if (absl::Status s = st::ensure_writable_dir(o.checkpoint_dir); !s.ok()) return fail(s);
+  }
+  if (o.resume) {
+    auto ck = st::read_checkpoint(st::checkpoint_path(o.checkpoint_dir));
+    if (!ck.ok()) return fail(ck.status());
+    if (absl::Status s = st::check_resumable(*ck, o, *model, *corpus); !s.ok()) return fail(s);
+    resume = std::move(*ck);
+  }
+  const bool tty = ::isatty(1) == 1;
+  const st::ProgressFn progress = is_rank0 ? make_progress(tty, o.steps) : st::ProgressFn();
+
+  if (o.compare) {
+    std::vector<st::RunResult> results;
+    for (st::Strategy s : st::available_strategies()) {
+      std::printf("%s", st::run_header(o, s, *model, *corpus, o.ranks, "threads").c_str());
+      auto r = st::run_threads(o, s, *corpus, nullptr, progress);
+      if (!r.ok()) return fail(r.status());
+      results.push_back(std::move(*r));
+    }
+    std::printf("%s", st::compare_table(results).c_str());
+    if (absl::Status s = st::write_compare_svg(o.svg, results); !s.ok()) return fail(s);
+    std::printf("chart: %s\n", o.svg.c_str());
+    return 0;
+  }
+
+  if (is_rank0) {
+    std::printf("%s", st::run_header(o, o.strategy, *model, *corpus, o.ranks, under_launcher ? "processes, TCP" : "threads").c_str());
+    if (resume) std::printf("  resuming from %s at step %s\n", st::checkpoint_path(o.checkpoint_dir).c_str(), resume->meta["step"].c_str());
+    std::fflush(stdout);
+  }
+  std::optional<st::RunResult> result;
+  if (under_launcher) {
+    auto r = st::run_process(o, o.strategy, *corpus, resume ? &*resume : nullptr, progress);
+    if (!r.ok()) return fail(r.status());
+    result = std::move(*r);
+  } else {
+    auto r = st::run_threads(o, o.strategy, *corpus, resume ? &*resume : nullptr, progress);
+    if (!r.ok()) return fail(r.status());
+    result = std::move(*r);
+  }
+  if (result) std::printf("%s", st::run_report(o, *result).c_str());
+  return 0;
+}

@@ -1,0 +1,173 @@
+#include "tools/shardkit_train/options.h"
+
+#include <charconv>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace shardkit::train {
+
+std::string strategy_name(Strategy s) {
+  switch (s) {
+    case Strategy::ddp: return "ddp";
+    case Strategy::oss: return "oss";
+    case Strategy::sddp: return "sddp";
+  }
+  return "?";
+}
+
+std::vector<Strategy> available_strategies() {
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+  return {Strategy::ddp, Strategy::oss, Strategy::sddp};
+#else
+  return {Strategy::ddp, Strategy::oss};
+#endif
+}
+
+absl::StatusOr<ModelSize> model_size(const std::string& name) {
+  nn::GPTConfig c;
+  c.vocab_size = 256;
+  if (name == "tiny") {
+    c.context = 32, c.width = 32, c.num_layers = 2, c.num_heads = 2;
+  } else if (name == "small") {
+    c.context = 64, c.width = 64, c.num_layers = 2, c.num_heads = 4;
+  } else if (name == "base") {
+    c.context = 128, c.width = 128, c.num_layers = 4, c.num_heads = 4;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("expected --model tiny, small or base, found '", name, "'"));
+  }
+  return ModelSize{name, c};
+}
+
+namespace {
+
+absl::Status bad(const std::string& flag, const std::string& expected, const std::string& found) {
+  return absl::InvalidArgumentError(absl::StrCat("expected ", flag, " ", expected, ", found '", found, "'"));
+}
+
+template <typename T>
+bool parse_int(const std::string& s, T& out) {
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, out);
+  return ec == std::errc() && p == end;
+}
+
+}  // namespace
+
+absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
+  Options o;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    std::string flag = args[i], value;
+    bool has_inline = false;
+    if (auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1), flag = flag.substr(0, eq), has_inline = true;
+    }
+    auto next = [&]() -> absl::StatusOr<std::string> {
+      if (has_inline) return value;
+      if (i + 1 >= args.size()) return absl::InvalidArgumentError(absl::StrCat("expected a value after ", flag, ", found none"));
+      return args[++i];
+    };
+    auto int_flag = [&](auto& out, long long min, const std::string& expected) -> absl::Status {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      long long x = 0;
+      if (!parse_int(*v, x) || x < min) return bad(flag, expected, *v);
+      out = static_cast<std::remove_reference_t<decltype(out)>>(x);
+      return absl::OkStatus();
+    };
+    absl::Status st;
+    if (flag == "--help" || flag == "-h") {
+      o.help = true;
+    } else if (flag == "--strategy") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      std::string names;
+      bool found = false;
+      for (Strategy s : available_strategies()) {
+        absl::StrAppend(&names, names.empty() ? "" : ", ", strategy_name(s));
+        if (*v == strategy_name(s)) o.strategy = s, found = true;
+      }
+      if (!found) return bad(flag, "one of " + names, *v);
+    } else if (flag == "--ranks") {
+      st = int_flag(o.ranks, 1, "a number of ranks >= 1");
+      if (st.ok() && o.ranks > 64) return bad(flag, "a number of ranks <= 64", std::to_string(o.ranks));
+    } else if (flag == "--model") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      if (auto m = model_size(*v); !m.ok()) return m.status();
+      o.model = *v;
+    } else if (flag == "--steps") {
+      st = int_flag(o.steps, 1, "a number of steps >= 1");
+    } else if (flag == "--batch") {
+      st = int_flag(o.batch, 1, "a batch size (sequences per rank) >= 1");
+    } else if (flag == "--lr") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      char* end = nullptr;
+      o.lr = std::strtod(v->c_str(), &end);
+      if (v->empty() || *end != '\0' || !(o.lr > 0) || o.lr > 10) return bad(flag, "a learning rate in (0, 10]", *v);
+    } else if (flag == "--precision") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      if (*v == "fp32") o.precision = Precision::fp32;
+      else if (*v == "bf16") o.precision = Precision::bf16;
+      else return bad(flag, "fp32 or bf16", *v);
+    } else if (flag == "--seed") {
+      st = int_flag(o.seed, 0, "a seed >= 0");
+    } else if (flag == "--data") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      o.data = *v;
+      if (o.data.empty()) return bad(flag, "a file name", "");
+    } else if (flag == "--checkpoint-dir") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      o.checkpoint_dir = *v;
+      if (o.checkpoint_dir.empty()) return bad(flag, "a directory", "");
+    } else if (flag == "--checkpoint-every") {
+      st = int_flag(o.checkpoint_every, 1, "a number of steps >= 1");
+    } else if (flag == "--resume") {
+      o.resume = true;
+    } else if (flag == "--compare") {
+      o.compare = true;
+    } else if (flag == "--svg") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      o.svg = *v;
+    } else if (flag == "--sample") {
+      st = int_flag(o.sample_bytes, 0, "a number of bytes >= 0");
+    } else if (flag == "--stop-after-step") {
+      st = int_flag(o.stop_after_step, 1, "a step >= 1");
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown option '", flag, "' (see --help)"));
+    }
+    if (!st.ok()) return st;
+  }
+  if (o.resume && o.checkpoint_dir.empty()) {
+    return absl::InvalidArgumentError("expected --checkpoint-dir with --resume, found none");
+  }
+  return o;
+}
+
+std::string usage() {
+  std::string strategies;
+  for (Strategy s : available_strategies()) absl::StrAppend(&strategies, strategies.empty() ? "" : "|", strategy_name(s));
+  return absl::StrCat(
+      "usage: shardkit-train [options]\n"
+      "Trains a byte-level GPT on N ranks and shows per-rank memory and communication.\n"
+      "  --strategy ", strategies, "   sharding strategy (default oss)\n"
+      "  --ranks N               simulated ranks as threads (default 4); under shardrun: one rank per process\n"
+      "  --model tiny|small|base model size (default small)\n"
+      "  --steps N               optimizer steps (default 250)\n"
+      "  --batch N               sequences per rank per step (default 4)\n"
+      "  --lr X                  peak learning rate, warmup + cosine (default 3e-3)\n"
+      "  --precision fp32|bf16   bf16: gradients and parameter updates communicated in bf16 (default fp32)\n"
+      "  --seed N                model init and data order (default 1)\n"
+      "  --data FILE             train on FILE's bytes instead of the embedded corpus\n"
+      "  --checkpoint-dir DIR    write DIR/checkpoint.skck every --checkpoint-every steps (default 50) and at the end\n"
+      "  --resume                continue from DIR/checkpoint.skck\n"
+      "  --compare               run every strategy on the same model and data; table + SVG (--svg FILE)\n"
+      "  --sample N              bytes of generated text to print at the end (default 160)\n");
+}
+
+}  // namespace shardkit::train

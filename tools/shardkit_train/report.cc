@@ -1,0 +1,258 @@
+#include "tools/shardkit_train/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace shardkit::train {
+namespace {
+
+constexpr MemoryCategory kCategories[] = {MemoryCategory::parameter, MemoryCategory::gradient,
+                                         MemoryCategory::optimizer_state, MemoryCategory::activation,
+                                         MemoryCategory::communication_buffer, MemoryCategory::other};
+constexpr const char* kShortName[] = {"param", "grad", "optim", "activ", "comm", "other"};
+
+std::string kb(std::int64_t bytes) {
+  if (bytes < 0) return "-";
+  return absl::StrFormat("%.1f KiB", static_cast<double>(bytes) / 1024.0);
+}
+
+std::string printable(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) out.push_back(c == '\n' ? '\n' : (c >= 32 && c < 127) ? static_cast<char>(c) : '.');
+  return out;
+}
+
+std::int64_t peak_of(const RankStats& s, MemoryCategory c) { return s.peak[static_cast<std::size_t>(c)]; }
+
+// Expected bytes sent per rank per step by the strategy's collectives (Note [ring-equivalent volume]).
+std::string expected_comm(const Options& o, const RunResult& r) {
+  const std::int64_t n = r.world, psi = r.num_params;
+  const std::int64_t grad_bytes = o.precision == Precision::bf16 ? 2 : 4;
+  const std::int64_t ar = 2 * (n - 1) * psi * grad_bytes / n;
+  switch (r.strategy) {
+    case Strategy::ddp:
+      return absl::StrCat("all_reduce of gradients 2(N-1)/N x ", grad_bytes, "Psi = ", with_commas(ar));
+    case Strategy::oss: {
+      const std::int64_t ag = (n - 1) * ((psi + n - 1) / n) * grad_bytes;
+      return absl::StrCat("all_reduce 2(N-1)/N x ", grad_bytes, "Psi + all_gather of parameters (N-1) x ", grad_bytes,
+                          "Psi/N = ", with_commas(ar + ag));
+    }
+    case Strategy::sddp:
+      return absl::StrCat("reduce of gradients to owners + parameter update: about 2(N-1)/N x ", grad_bytes,
+                          "Psi = ", with_commas(ar));
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string with_commas(std::int64_t v) {
+  std::string s = std::to_string(v < 0 ? -v : v), out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (i > 0 && (s.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(s[i]);
+  }
+  return v < 0 ? absl::StrCat("-", out) : out;
+}
+
+std::string progress_line(std::int64_t step, std::int64_t total, double loss, double tokens_per_s, double eta_s, bool bar) {
+  std::string b;
+  if (bar) {
+    constexpr int kWidth = 24;
+    const int filled = static_cast<int>(kWidth * step / std::max<std::int64_t>(1, total));
+    b = absl::StrCat("[", std::string(static_cast<std::size_t>(filled), '#'),
+                     std::string(static_cast<std::size_t>(kWidth - filled), '.'), "] ");
+  }
+  const int width = static_cast<int>(std::to_string(total).size());
+  return absl::StrFormat("step %*d/%d %sloss %.4f  %.1fk tok/s  ETA %.0fs", width, step, total, b, loss,
+                         tokens_per_s / 1000.0, eta_s);
+}
+
+std::string run_header(const Options& o, Strategy strategy, const ModelSize& model, const Corpus& corpus, int world,
+                       const std::string& backend) {
+  const nn::GPTConfig& c = model.config;
+  return absl::StrCat(
+      "shardkit-train: model ", model.name, " (byte-level GPT, ", with_commas(c.num_parameters()), " parameters: ",
+      c.num_layers, " layers, width ", c.width, ", ", c.num_heads, " heads, context ", c.context, ")\n",
+      "  strategy ", strategy_name(strategy), " on ", world, " ranks (", backend, "), ",
+      o.precision == Precision::bf16 ? "bf16 communication" : "fp32", ", AdamW lr ", absl::StrFormat("%g", o.lr),
+      " (warmup + cosine), seed ", o.seed, "\n",
+      "  data ", corpus.source == "embedded" ? std::string("embedded corpus (the project's documentation)") : absl::StrCat("'", corpus.source, "'"),
+      ", ", with_commas(static_cast<std::int64_t>(corpus.bytes.size())), " bytes; ", o.batch, " sequences x ", c.context,
+      " bytes per rank per step = ", with_commas(o.batch * c.context * world), " tokens per step; ", o.steps, " steps\n");
+}
+
+Expected expected_bytes(Strategy s, MemoryCategory c, std::int64_t psi, int n, std::int64_t owned) {
+  const bool sharded_grad = s == Strategy::sddp, sharded_opt = s != Strategy::ddp;
+  switch (c) {
+    case MemoryCategory::parameter: return {4 * psi, "4Psi"};
+    case MemoryCategory::gradient:
+      if (sharded_grad) return {4 * owned, absl::StrCat("4Psi/N (owned ", with_commas(owned), ")")};
+      return {4 * psi, "4Psi"};
+    case MemoryCategory::optimizer_state:
+      if (sharded_opt) return {8 * owned, absl::StrCat("8Psi/N (owned ", with_commas(owned), ")")};
+      return {8 * psi, "8Psi"};
+    default: return {};
+  }
+  (void)n;
+}
+
+std::string run_report(const Options& o, const RunResult& r) {
+  std::string out;
+  if (!r.losses.empty()) {
+    const double first = r.losses.front(), last = r.losses.back();
+    absl::StrAppend(&out, absl::StrFormat("\nloss: first %.4f (step %d), last %.4f (step %d): %.0f%% of the first\n", first,
+                                          r.start_step + 1, last, r.start_step + static_cast<std::int64_t>(r.losses.size()),
+                                          100.0 * last / first));
+    absl::StrAppend(&out, absl::StrFormat("time: %.1f s for %d steps (%.3f s/step, %.1fk tokens/s)\n", r.total_seconds,
+                                          r.losses.size(), r.seconds_per_step,
+                                          static_cast<double>(r.tokens_per_step) / r.seconds_per_step / 1000.0));
+  } else {
+    absl::StrAppend(&out, "\nnothing to train: the checkpoint is already at step ", r.start_step, "\n");
+  }
+  const std::int64_t psi = r.num_params;
+  const int n = r.world;
+  absl::StrAppend(&out, "\nmemory per rank: peak bytes during a step, by ledger category (Psi = ", with_commas(psi),
+                  " parameters, N = ", n, ", fp32 AdamW; ZeRO formula for ", strategy_name(r.strategy), ": ");
+  switch (r.strategy) {
+    case Strategy::ddp: absl::StrAppend(&out, "4Psi + 4Psi + 8Psi = 16Psi"); break;
+    case Strategy::oss: absl::StrAppend(&out, "4Psi + 4Psi + 8Psi/N"); break;
+    case Strategy::sddp: absl::StrAppend(&out, "4Psi + 4Psi/N + 8Psi/N"); break;
+  }
+  absl::StrAppend(&out, ")\n");
+  absl::StrAppend(&out, absl::StrFormat("%-5s %-23s %-23s %-23s %12s %12s %12s\n", "rank", "parameter (formula)",
+                                        "gradient (formula)", "optimizer (formula)", "activation", "comm buffer", "other"));
+  for (int rk = 0; rk < n; ++rk) {
+    const RankStats& s = r.ranks[static_cast<std::size_t>(rk)];
+    std::string cells[3];
+    for (int c = 0; c < 3; ++c) {
+      const Expected e = expected_bytes(r.strategy, kCategories[c], psi, n, s.owned_numel);
+      const std::int64_t got = peak_of(s, kCategories[c]);
+      cells[c] = absl::StrCat(kb(got), " (", kb(e.bytes), got == e.bytes ? " =" : "", ")");
+    }
+    absl::StrAppend(&out, absl::StrFormat("%-5d %-23s %-23s %-23s %12s %12s %12s\n", rk, cells[0], cells[1], cells[2],
+                                          kb(peak_of(s, MemoryCategory::activation)),
+                                          kb(peak_of(s, MemoryCategory::communication_buffer)),
+                                          kb(peak_of(s, MemoryCategory::other))));
+  }
+  absl::StrAppend(&out, "  (x (y =): measured x, formula y, exactly equal; owned = elements of optimizer state on the rank)\n");
+  absl::StrAppend(&out, "\ncommunication per step (bytes sent per rank, ProcessGroup counters):");
+  for (int rk = 0; rk < n; ++rk) absl::StrAppend(&out, rk == 0 ? " " : ", ", with_commas(r.ranks[static_cast<std::size_t>(rk)].bytes_sent_per_step));
+  absl::StrAppend(&out, absl::StrFormat("  (= %.2f x 4Psi)\n", static_cast<double>(r.ranks[0].bytes_sent_per_step) / (4.0 * static_cast<double>(psi))));
+  absl::StrAppend(&out, "  expected: ", expected_comm(o, r), "\n");
+  if (!r.sample.empty()) absl::StrAppend(&out, "\nsample (temperature 0.8):\n", printable(r.sample), "\n");
+  absl::StrAppend(&out, absl::StrFormat("\nparameter digest: %016x\n", r.param_digest));
+  return out;
+}
+
+std::string compare_table(const std::vector<RunResult>& results) {
+  std::string out = absl::StrFormat("\n%-9s %10s %11s %11s %11s %11s %11s %11s %11s %14s %10s\n", "strategy", "step (s)",
+                                    "param", "grad", "optim", "activ", "comm buf", "other", "total", "sent/rank/step", "final loss");
+  for (const RunResult& r : results) {
+    std::array<std::int64_t, kNumMemoryCategories> mx{};
+    std::int64_t sent = 0;
+    for (const RankStats& s : r.ranks) {
+      for (int c = 0; c < kNumMemoryCategories; ++c) mx[static_cast<std::size_t>(c)] = std::max(mx[static_cast<std::size_t>(c)], s.peak[static_cast<std::size_t>(c)]);
+      sent = std::max(sent, s.bytes_sent_per_step);
+    }
+    std::int64_t total = 0;
+    for (std::int64_t v : mx) total += v;
+    absl::StrAppend(&out, absl::StrFormat("%-9s %10.3f %11s %11s %11s %11s %11s %11s %11s %14s %10.4f\n", strategy_name(r.strategy),
+                                          r.seconds_per_step, kb(mx[0]), kb(mx[1]), kb(mx[2]), kb(mx[3]), kb(mx[4]), kb(mx[5]),
+                                          kb(total), with_commas(sent), r.losses.empty() ? 0.0 : r.losses.back()));
+  }
+  absl::StrAppend(&out, "(memory: the largest per-rank peak of each ledger category; sent: bytes per rank per step)\n");
+  return out;
+}
+
+absl::Status write_compare_svg(const std::string& path, const std::vector<RunResult>& results) {
+  static const char* kColors[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948"};
+  static const char* kLineColors[] = {"#4e79a7", "#e15759", "#59a14f", "#b07aa1"};
+  const double W = 1000, H = 420, top = 50, bottom = 360, lx0 = 60, lx1 = 470, rx0 = 560, rx1 = 960;
+  std::string s = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n", W, H);
+  // Left: memory per rank, stacked by category, grouped by strategy.
+  std::int64_t max_total = 1;
+  int bars = 0;
+  for (const RunResult& r : results) {
+    for (const RankStats& st : r.ranks) {
+      std::int64_t t = 0;
+      for (std::int64_t v : st.peak) t += v;
+      max_total = std::max(max_total, t);
+      ++bars;
+    }
+  }
+  absl::StrAppend(&s, absl::StrFormat("<text x=\"%.0f\" y=\"25\" font-size=\"15\">Peak memory per rank by ledger category (KiB)</text>\n", lx0));
+  const double slot = (lx1 - lx0) / (bars + static_cast<double>(results.size()));
+  double x = lx0 + slot / 2;
+  for (const RunResult& r : results) {
+    const double group_x = x;
+    for (std::size_t rk = 0; rk < r.ranks.size(); ++rk) {
+      double y = bottom;
+      for (int c = 0; c < kNumMemoryCategories; ++c) {
+        const double h = (bottom - top) * static_cast<double>(r.ranks[rk].peak[static_cast<std::size_t>(c)]) / static_cast<double>(max_total);
+        y -= h;
+        absl::StrAppend(&s, absl::StrFormat("<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\"><title>%s rank %d %s: %s</title></rect>\n",
+                                            x, y, slot * 0.85, h, kColors[c], strategy_name(r.strategy), rk, kShortName[c],
+                                            kb(r.ranks[rk].peak[static_cast<std::size_t>(c)])));
+      }
+      x += slot;
+    }
+    absl::StrAppend(&s, absl::StrFormat("<text x=\"%.1f\" y=\"%.0f\" text-anchor=\"middle\">%s</text>\n", (group_x + x - slot * 0.15) / 2,
+                                        bottom + 18, strategy_name(r.strategy)));
+    x += slot;
+  }
+  for (int i = 0; i <= 4; ++i) {
+    const double y = bottom - (bottom - top) * i / 4.0;
+    absl::StrAppend(&s, absl::StrFormat("<line x1=\"%.0f\" x2=\"%.0f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"#ccc\"/><text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%.0f</text>\n",
+                                        lx0 - 4, lx1, y, y, lx0 - 6, y + 4, static_cast<double>(max_total) * i / 4.0 / 1024.0));
+  }
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    absl::StrAppend(&s, absl::StrFormat("<rect x=\"%.0f\" y=\"%.0f\" width=\"10\" height=\"10\" fill=\"%s\"/><text x=\"%.0f\" y=\"%.0f\">%s</text>\n",
+                                        lx0 + 70.0 * c, bottom + 35, kColors[c], lx0 + 70.0 * c + 14, bottom + 44, kShortName[c]));
+  }
+  // Right: loss curves.
+  double lo = 1e30, hi = -1e30;
+  std::size_t steps = 1;
+  for (const RunResult& r : results) {
+    for (double l : r.losses) lo = std::min(lo, l), hi = std::max(hi, l);
+    steps = std::max(steps, r.losses.size());
+  }
+  if (!(hi > lo)) hi = lo + 1;
+  absl::StrAppend(&s, absl::StrFormat("<text x=\"%.0f\" y=\"25\" font-size=\"15\">Training loss by step</text>\n", rx0));
+  for (int i = 0; i <= 4; ++i) {
+    const double y = bottom - (bottom - top) * i / 4.0;
+    absl::StrAppend(&s, absl::StrFormat("<line x1=\"%.0f\" x2=\"%.0f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"#ccc\"/><text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%.2f</text>\n",
+                                        rx0, rx1, y, y, rx0 - 6, y + 4, lo + (hi - lo) * i / 4.0));
+  }
+  absl::StrAppend(&s, absl::StrFormat("<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">step (1..%d)</text>\n", (rx0 + rx1) / 2, bottom + 18, steps));
+  for (std::size_t k = 0; k < results.size(); ++k) {
+    const RunResult& r = results[k];
+    std::string pts;
+    for (std::size_t i = 0; i < r.losses.size(); ++i) {
+      const double px = rx0 + (rx1 - rx0) * (steps == 1 ? 0.0 : static_cast<double>(i) / static_cast<double>(steps - 1));
+      const double py = bottom - (bottom - top) * (r.losses[i] - lo) / (hi - lo);
+      absl::StrAppend(&pts, absl::StrFormat("%.1f,%.1f ", px, py));
+    }
+    const char* color = kLineColors[k % 4];
+    absl::StrAppend(&s, absl::StrFormat("<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" points=\"%s\"/>\n", color, pts));
+    absl::StrAppend(&s, absl::StrFormat("<line x1=\"%.0f\" x2=\"%.0f\" y1=\"%.0f\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"3\"/><text x=\"%.0f\" y=\"%.0f\">%s</text>\n",
+                                        rx0 + 90.0 * k, rx0 + 90.0 * k + 20, bottom + 40, bottom + 40, color, rx0 + 90.0 * k + 24,
+                                        bottom + 44, strategy_name(r.strategy)));
+  }
+  absl::StrAppend(&s, "</svg>\n");
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) return absl::FailedPreconditionError(absl::StrCat("cannot write chart '", path, "'"));
+  f << s;
+  f.close();
+  if (!f) return absl::FailedPreconditionError(absl::StrCat("cannot write chart '", path, "'"));
+  return absl::OkStatus();
+}
+
+}  // namespace shardkit::train

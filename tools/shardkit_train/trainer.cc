@@ -1,0 +1,434 @@
+#include "tools/shardkit_train/trainer.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/autograd/engine.h"
+#include "common/autograd/grad_mode.h"
+#include "common/comm/in_process_group.h"
+#include "common/comm/init_from_env.h"
+#include "common/nn/gpt.h"
+#include "common/optim/adam.h"
+#include "common/optim/lr_schedule.h"
+#include "common/tensor/rank_context.h"
+#include "oss/oss.h"
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+#include "sddp/sharded_data_parallel.h"
+#endif
+
+namespace shardkit::train {
+namespace {
+
+#define SKT_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    if (absl::Status _st = (expr); !_st.ok()) return _st; \
+  } while (0)
+
+optim::HyperParams hyper(const Options& o) {
+  optim::HyperParams h = optim::AdamW::default_hyper();
+  h.lr = o.lr;
+  h.beta2 = 0.99;
+  h.weight_decay = 0.0;
+  return h;
+}
+
+// Averages every gradient over the ranks, one all_reduce per gradient (in bf16 when asked).
+absl::Status all_reduce_grads(comm::ProcessGroup& pg, const std::vector<Tensor>& params, Precision precision) {
+  for (const Tensor& p : params) {
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (precision == Precision::bf16) {
+      Tensor h = g.to(DType::bf16, MemoryCategory::communication_buffer);
+      SKT_RETURN_IF_ERROR(pg.all_reduce(h, {.op = comm::ReduceOp::avg(), .tag = "grad"})->wait());
+      g.copy_(h);
+    } else {
+      SKT_RETURN_IF_ERROR(pg.all_reduce(g, {.op = comm::ReduceOp::avg(), .tag = "grad"})->wait());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One rank's strategy: how gradients are synchronised and who steps what. See Note [strategies in
+// shardkit-train] in trainer.h.
+class Runner {
+ public:
+  virtual ~Runner() = default;
+  virtual absl::Status backward(const Tensor& loss) = 0;
+  virtual absl::Status step() = 0;
+  virtual void zero_grad() = 0;
+  virtual void set_lr(double lr) = 0;
+  // Collective: the full optimizer state on rank 0, nullopt elsewhere.
+  virtual absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() = 0;
+  virtual absl::Status load_state(const optim::OptimizerStateDict& full) = 0;
+  virtual std::int64_t owned_numel() const = 0;
+};
+
+class DdpRunner : public Runner {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, comm::ProcessGroup& pg, const Options& o) {
+    auto opt = optim::AdamW::make({{model.parameters(), hyper(o)}}, hyper(o));
+    if (!opt.ok()) return opt.status();
+    return std::unique_ptr<Runner>(new DdpRunner(model, pg, o, std::move(*opt)));
+  }
+  absl::Status backward(const Tensor& loss) override {
+    autograd::backward(loss);
+    return all_reduce_grads(pg_, params_, precision_);
+  }
+  absl::Status step() override {
+    opt_->step();
+    return absl::OkStatus();
+  }
+  void zero_grad() override { opt_->zero_grad(); }
+  void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
+  absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
+    if (pg_.rank() != 0) return std::nullopt;
+    return opt_->state_dict();
+  }
+  absl::Status load_state(const optim::OptimizerStateDict& full) override { return opt_->load_state_dict(full); }
+  std::int64_t owned_numel() const override {
+    std::int64_t n = 0;
+    for (const Tensor& p : params_) n += p.numel();
+    return n;
+  }
+
+ private:
+  DdpRunner(nn::GPT& model, comm::ProcessGroup& pg, const Options& o, std::unique_ptr<optim::Optimizer> opt)
+      : pg_(pg), params_(model.parameters()), precision_(o.precision), opt_(std::move(opt)) {}
+  comm::ProcessGroup& pg_;
+  std::vector<Tensor> params_;
+  Precision precision_;
+  std::unique_ptr<optim::Optimizer> opt_;
+};
+
+class OssRunner : public Runner {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
+                                                        const Options& o) {
+    oss::OssOptions oo{.policy = oss::PartitionPolicy::flat};
+    if (o.precision == Precision::bf16) oo.broadcast_dtype = DType::bf16;
+    auto opt = oss::Oss::create({{model.parameters(), hyper(o)}}, optim::AdamW::factory(hyper(o)), pg, oo);
+    if (!opt.ok()) return opt.status();
+    return std::unique_ptr<Runner>(new OssRunner(model, std::move(pg), o, std::move(*opt)));
+  }
+  absl::Status backward(const Tensor& loss) override {
+    autograd::backward(loss);
+    return all_reduce_grads(*pg_, params_, precision_);
+  }
+  absl::Status step() override { return opt_->step(); }
+  void zero_grad() override { opt_->zero_grad(); }
+  void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
+  absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
+    SKT_RETURN_IF_ERROR(opt_->consolidate_state_dict(0));
+    if (pg_->rank() != 0) return std::nullopt;
+    auto sd = opt_->state_dict();
+    if (!sd.ok()) return sd.status();
+    return std::optional<optim::OptimizerStateDict>(std::move(*sd));
+  }
+  absl::Status load_state(const optim::OptimizerStateDict& full) override { return opt_->load_state_dict(full); }
+  std::int64_t owned_numel() const override { return opt_->owned_numel(); }
+
+ private:
+  OssRunner(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg, const Options& o, std::unique_ptr<oss::Oss> opt)
+      : pg_(std::move(pg)), params_(model.parameters()), precision_(o.precision), opt_(std::move(opt)) {}
+  std::shared_ptr<comm::ProcessGroup> pg_;
+  std::vector<Tensor> params_;
+  Precision precision_;
+  std::unique_ptr<oss::Oss> opt_;
+};
+
+absl::StatusOr<std::unique_ptr<Runner>> make_runner(Strategy s, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
+                                                    const Options& o) {
+  switch (s) {
+    case Strategy::ddp: return DdpRunner::create(model, *pg, o);
+    case Strategy::oss: return OssRunner::create(model, std::move(pg), o);
+    case Strategy::sddp: break;
+  }
+  return absl::UnimplementedError("strategy sddp is not built into this shardkit-train");
+}
+
+std::int64_t total_sent(const comm::CommCounters& c) {
+  std::int64_t n = 0;
+  for (const auto& k : c.by_kind) n += k.bytes_sent;
+  return n;
+}
+
+std::uint64_t digest(const nn::GPT& model) {
+  std::uint64_t h = fnv1a64(nullptr, 0);
+  for (const Tensor& p : model.parameters()) h = fnv1a64(p.raw_data(), p.nbytes(), h);
+  return h;
+}
+
+std::string generate(nn::GPT& model, const std::string& prompt, std::int64_t n, std::uint64_t seed) {
+  autograd::NoGradGuard no_grad;
+  model.eval();
+  const std::int64_t ctx = model.config().context, vocab = model.config().vocab_size;
+  std::vector<std::int64_t> tokens;
+  for (unsigned char c : prompt) tokens.push_back(c);
+  Generator gen(seed, 7);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t t = std::min<std::int64_t>(ctx, static_cast<std::int64_t>(tokens.size()));
+    std::vector<std::int64_t> window(tokens.end() - t, tokens.end());
+    Tensor logits = model(Tensor::from_int64(window, {1, t}));
+    std::vector<float> all = logits.to_vector();
+    const float* last = all.data() + (t - 1) * vocab;
+    // Temperature 0.8 sampling.
+    float mx = last[0];
+    for (std::int64_t v = 1; v < vocab; ++v) mx = std::max(mx, last[v]);
+    std::vector<double> pr(static_cast<std::size_t>(vocab));
+    double sum = 0;
+    for (std::int64_t v = 0; v < vocab; ++v) sum += pr[static_cast<std::size_t>(v)] = std::exp((last[v] - mx) / 0.8);
+    double u = static_cast<double>(gen.next_below(1u << 30)) / static_cast<double>(1u << 30) * sum;
+    std::int64_t pick = vocab - 1;
+    for (std::int64_t v = 0; v < vocab; ++v) {
+      if ((u -= pr[static_cast<std::size_t>(v)]) <= 0) { pick = v; break; }
+    }
+    tokens.push_back(pick);
+  }
+  model.train();
+  std::string out;
+  for (std::int64_t tok : tokens) out.push_back(static_cast<char>(tok));
+  return out;
+}
+
+// The per-rank loop (same code for threads and processes).
+absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy strategy, const Corpus& corpus,
+                                                    const Checkpoint* resume, const ProgressFn& progress,
+                                                    std::shared_ptr<comm::ProcessGroup> pg) {
+  const int rank = pg->rank(), world = pg->size();
+  auto size = model_size(o.model);
+  if (!size.ok()) return size.status();
+  const nn::GPTConfig cfg = size->config;
+  MemoryTracker& ledger = *current_rank_context().memory;
+
+  nn::GPT model(cfg, o.seed);
+  auto runner = make_runner(strategy, model, pg, o);
+  if (!runner.ok()) return runner.status();
+  std::int64_t start = 0;
+  if (resume != nullptr) {
+    MemoryCategoryScope other(MemoryCategory::other);
+    SKT_RETURN_IF_ERROR(model.load_state_dict(resume->model));
+    SKT_RETURN_IF_ERROR((*runner)->load_state(resume->optimizer));
+    start = std::stoll(resume->meta.at("step"));
+  }
+
+  RunResult res;
+  res.strategy = strategy;
+  res.world = world;
+  res.num_params = model.num_parameters();
+  res.start_step = start;
+  res.tokens_per_step = o.batch * cfg.context * world;
+  res.backend = pg->backend_name();
+
+  std::array<std::int64_t, kNumMemoryCategories> peak{};
+  std::int64_t sent = 0, counted_steps = 0;
+  bool checkpointed = false;
+  double step_seconds_sum = 0;
+  const auto t_start = std::chrono::steady_clock::now();
+  const std::int64_t warmup = std::max<std::int64_t>(1, std::min<std::int64_t>(20, o.steps / 10));
+  Tensor loss_buf = Tensor::zeros({1});
+
+  for (std::int64_t step = start; step < o.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    (*runner)->set_lr(o.lr * optim::warmup_cosine_factor(step, warmup, o.steps, 0.1));
+    ledger.reset_peaks();
+    const comm::CommCounters c0 = pg->counters();
+    auto [x, y] = batch(corpus, o.seed, step, rank, world, o.batch, cfg.context);
+    (*runner)->zero_grad();
+    Tensor loss = model.loss(x, y);
+    const double local_loss = loss.item();
+    SKT_RETURN_IF_ERROR((*runner)->backward(loss));
+    SKT_RETURN_IF_ERROR((*runner)->step());
+    const MemorySnapshot snap = ledger.snapshot();
+    sent += total_sent(pg->counters()) - total_sent(c0);
+    ++counted_steps;
+    if (!checkpointed) {
+      for (int c = 0; c < kNumMemoryCategories; ++c) peak[static_cast<std::size_t>(c)] = std::max(peak[static_cast<std::size_t>(c)], snap.peak[static_cast<std::size_t>(c)]);
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (step > start || o.steps - start == 1) step_seconds_sum += dt;
+
+    loss_buf.fill_(local_loss);
+    SKT_RETURN_IF_ERROR(pg->all_reduce(loss_buf, {.op = comm::ReduceOp::avg(), .tag = "loss (display)"})->wait());
+    res.losses.push_back(loss_buf.item());
+    if (rank == 0 && progress) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      const double done = static_cast<double>(step + 1 - start);
+      progress(step + 1, o.steps, res.losses.back(), done * static_cast<double>(res.tokens_per_step) / elapsed,
+               elapsed / done * static_cast<double>(o.steps - step - 1));
+    }
+    if (!o.checkpoint_dir.empty() && ((step + 1) % o.checkpoint_every == 0 || step + 1 == o.steps)) {
+      auto state = (*runner)->full_state();
+      if (!state.ok()) return state.status();
+      if (rank == 0) {
+        Checkpoint ck;
+        ck.meta = {{"model", o.model},
+                   {"model.vocab", std::to_string(cfg.vocab_size)},
+                   {"model.context", std::to_string(cfg.context)},
+                   {"model.width", std::to_string(cfg.width)},
+                   {"model.layers", std::to_string(cfg.num_layers)},
+                   {"model.heads", std::to_string(cfg.num_heads)},
+                   {"model.parameters", std::to_string(res.num_params)},
+                   {"step", std::to_string(step + 1)},
+                   {"seed", std::to_string(o.seed)},
+                   {"data.bytes", std::to_string(corpus.bytes.size())},
+                   {"data.fingerprint", std::to_string(corpus.fingerprint)},
+                   {"strategy", strategy_name(strategy)},
+                   {"world", std::to_string(world)}};
+        ck.model = model.state_dict();
+        ck.optimizer = std::move(**state);
+        SKT_RETURN_IF_ERROR(write_checkpoint(o.checkpoint_dir, ck));
+      }
+      checkpointed = true;
+    }
+    if (o.stop_after_step == step + 1 && rank == 0) ::kill(::getpid(), SIGKILL);  // test-only: a kill between steps
+  }
+  res.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  const std::int64_t timed = std::max<std::int64_t>(1, counted_steps - 1);
+  res.seconds_per_step = counted_steps == 0 ? 0 : step_seconds_sum / static_cast<double>(counted_steps == 1 ? 1 : timed);
+
+  // Gather every rank's figures on every rank (after the counted steps).
+  constexpr int kFields = kNumMemoryCategories + 2;
+  Tensor mine = Tensor::zeros({kFields}, TensorOptions{}.with_dtype(DType::i64));
+  auto* m = static_cast<std::int64_t*>(mine.raw_data());
+  for (int c = 0; c < kNumMemoryCategories; ++c) m[c] = peak[static_cast<std::size_t>(c)];
+  m[kNumMemoryCategories] = counted_steps == 0 ? 0 : sent / counted_steps;
+  m[kNumMemoryCategories + 1] = (*runner)->owned_numel();
+  Tensor all = Tensor::zeros({kFields * world}, TensorOptions{}.with_dtype(DType::i64));
+  SKT_RETURN_IF_ERROR(pg->all_gather(all, mine, {.tag = "stats"})->wait());
+  if (rank != 0) return std::nullopt;
+  const auto* a = static_cast<const std::int64_t*>(all.raw_data());
+  for (int r = 0; r < world; ++r) {
+    RankStats s;
+    for (int c = 0; c < kNumMemoryCategories; ++c) s.peak[static_cast<std::size_t>(c)] = a[r * kFields + c];
+    s.bytes_sent_per_step = a[r * kFields + kNumMemoryCategories];
+    s.owned_numel = a[r * kFields + kNumMemoryCategories + 1];
+    res.ranks.push_back(s);
+  }
+  res.param_digest = digest(model);
+  if (o.sample_bytes > 0) res.sample = generate(model, "shardkit ", o.sample_bytes, o.seed);
+  return std::optional<RunResult>(std::move(res));
+}
+
+absl::Status status_of_exception(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return absl::InternalError(ex.what());
+  } catch (...) {
+    return absl::InternalError("unknown exception");
+  }
+}
+
+}  // namespace
+
+absl::Status check_resumable(const Checkpoint& ck, const Options& o, const ModelSize& model, const Corpus& corpus) {
+  auto get = [&](const std::string& k) {
+    auto it = ck.meta.find(k);
+    return it == ck.meta.end() ? std::string("?") : it->second;
+  };
+  const std::string path = checkpoint_path(o.checkpoint_dir);
+  const nn::GPTConfig& c = model.config;
+  if (get("model") != model.name || get("model.vocab") != std::to_string(c.vocab_size) ||
+      get("model.context") != std::to_string(c.context) || get("model.width") != std::to_string(c.width) ||
+      get("model.layers") != std::to_string(c.num_layers) || get("model.heads") != std::to_string(c.num_heads)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot resume from '", path, "': expected a checkpoint of model '",
+                                                   model.name, "' (", c.num_parameters(), " parameters), found model '",
+                                                   get("model"), "' (", get("model.parameters"), " parameters)"));
+  }
+  if (get("data.fingerprint") != std::to_string(corpus.fingerprint)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot resume from '", path, "': expected a checkpoint trained on ",
+                                                   corpus.source, " (", corpus.bytes.size(), " bytes), found one trained on other data (",
+                                                   get("data.bytes"), " bytes)"));
+  }
+  if (get("seed") != std::to_string(o.seed)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot resume from '", path, "': expected --seed ", get("seed"),
+                                                   " as the checkpoint was trained with, found --seed ", o.seed));
+  }
+  std::int64_t step = 0;
+  if (!absl::SimpleAtoi(get("step"), &step) || step < 0) {
+    return absl::DataLossError(absl::StrCat("checkpoint '", path, "' is corrupt: bad step '", get("step"), "'"));
+  }
+  if (step > o.steps) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot resume from '", path, "': expected --steps >= the checkpoint's step ",
+                                                   step, ", found --steps ", o.steps));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const Corpus& corpus, const Checkpoint* resume,
+                                      const ProgressFn& progress) {
+  const int n = o.ranks;
+  auto world = comm::InProcessWorld::create(n, {.default_timeout = absl::Minutes(2)});
+  std::vector<absl::Status> status(static_cast<std::size_t>(n));
+  std::optional<RunResult> result;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      RankContext ctx;
+      ctx.rank = r;
+      ctx.world_size = n;
+      ctx.generator = Generator(o.seed).fork(static_cast<std::uint64_t>(r));
+      absl::Status st;
+      {
+        RankContextScope scope(ctx);
+        try {
+          auto res = train_rank(o, strategy, corpus, resume, progress, world->group(r));
+          if (!res.ok()) st = res.status();
+          else if (res->has_value()) result = std::move(*res);
+        } catch (...) {
+          st = status_of_exception(std::current_exception());
+        }
+      }
+      if (!st.ok()) world->abort(absl::Status(st.code(), absl::StrCat("rank ", r, ": ", st.message())));
+      world->mark_departed(r);
+      status[static_cast<std::size_t>(r)] = st;
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (!world->status().ok()) {
+    // The origin of the failure, not the aborts it caused on the other ranks.
+    for (const absl::Status& s : status) {
+      if (!s.ok() && s.code() != absl::StatusCode::kAborted) return s;
+    }
+    return world->status();
+  }
+  for (const absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
+  if (!result) return absl::InternalError("rank 0 returned no result");
+  result->backend = absl::StrCat(n, " threads (in-process)");
+  return std::move(*result);
+}
+
+absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy strategy, const Corpus& corpus,
+                                                     const Checkpoint* resume, const ProgressFn& progress) {
+  auto pg = comm::init_from_env();
+  if (!pg.ok()) return pg.status();
+  RankContext& ctx = current_rank_context();
+  ctx.rank = (*pg)->rank();
+  ctx.world_size = (*pg)->size();
+  ctx.generator = Generator(o.seed).fork(static_cast<std::uint64_t>(ctx.rank));
+  absl::StatusOr<std::optional<RunResult>> res;
+  try {
+    res = train_rank(o, strategy, corpus, resume, progress, *pg);
+  } catch (...) {
+    res = status_of_exception(std::current_exception());
+  }
+  if (!res.ok()) {
+    (*pg)->abort(res.status());
+    return res.status();
+  }
+  if (res->has_value()) (*res)->backend = absl::StrCat((*pg)->size(), " processes (", (*pg)->backend_name(), ")");
+  return res;
+}
+
+}  // namespace shardkit::train

@@ -1,0 +1,71 @@
+// The training run behind shardkit-train: every rank builds the same GPT, trains it with one strategy on
+// its slice of each global batch, and rank 0 collects what the report shows (issue 7).
+//
+// Ranks are threads of this process (run_threads: an InProcessWorld, one RankContext and MemoryTracker per
+// thread) or this process is one rank of a TCP group started by tools/shardrun (run_process:
+// comm::init_from_env). The per-rank loop (train_rank) is the same code in both cases, so the same seed
+// gives the same losses up to the backends' fp32 summation order.
+//
+// Strategies (Note [strategies in shardkit-train]):
+//   ddp:  full AdamW on every rank; every gradient all_reduce(avg)'d after backward.
+//   oss:  gradients all_reduce(avg)'d as DDP; oss::Oss (flat partition) steps each rank's 1/N share of
+//         the optimizer state and all_gathers the updated parameters (fairscale's OSS + DDP).
+//   sddp: sddp::ShardedDataParallel (when built): gradients reduced to their owners only.
+// --precision bf16: gradients are communicated in bf16 (cast, all_reduce, cast back) and OSS sends
+// parameters in bf16; compute and the stored parameters stay fp32 (the autograd ops are fp32-only).
+//
+// Measurements, per rank: per-category peak bytes of the ledger over the training steps (peaks restart
+// at each step; checkpoint work between steps is not counted), bytes sent per step from the
+// ProcessGroup's counters (only the step's own collectives: the loss average for display is excluded).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/tensor/memory_tracker.h"
+#include "tools/shardkit_train/checkpoint.h"
+#include "tools/shardkit_train/corpus.h"
+#include "tools/shardkit_train/options.h"
+
+namespace shardkit::train {
+
+struct RankStats {
+  std::array<std::int64_t, kNumMemoryCategories> peak{};  // bytes, max over step windows
+  std::int64_t bytes_sent_per_step = 0;                    // mean over the steps run
+  std::int64_t owned_numel = 0;                            // elements of optimizer state this rank owns
+};
+
+struct RunResult {
+  Strategy strategy = Strategy::oss;
+  int world = 1;
+  std::int64_t num_params = 0;
+  std::int64_t start_step = 0;          // > 0 after --resume
+  std::vector<double> losses;           // mean loss over all ranks, one per step run
+  std::vector<RankStats> ranks;
+  double seconds_per_step = 0;          // mean wall time of a step on rank 0 (first step excluded)
+  double total_seconds = 0;
+  std::int64_t tokens_per_step = 0;     // global
+  std::string sample;                   // generated text (rank 0)
+  std::uint64_t param_digest = 0;       // FNV-1a 64 of every parameter's bytes at the end
+  std::string backend;                  // "in-process threads" / "tcp"
+};
+
+// Called on rank 0 after each step: step (1-based), total steps, loss, tokens/s, seconds left.
+using ProgressFn = std::function<void(std::int64_t step, std::int64_t total, double loss, double tokens_per_s, double eta_s)>;
+
+// Checks that a checkpoint fits this run (model config, data, seed); the one-line error otherwise.
+absl::Status check_resumable(const Checkpoint& ckpt, const Options& options, const ModelSize& model, const Corpus& corpus);
+
+absl::StatusOr<RunResult> run_threads(const Options& options, Strategy strategy, const Corpus& corpus,
+                                      const Checkpoint* resume, const ProgressFn& progress);
+// This process is one rank (RANK / WORLD_SIZE set by shardrun). Rank 0 gets the full result; others an
+// empty one (nullopt).
+absl::StatusOr<std::optional<RunResult>> run_process(const Options& options, Strategy strategy, const Corpus& corpus,
+                                                     const Checkpoint* resume, const ProgressFn& progress);
+
+}  // namespace shardkit::train
