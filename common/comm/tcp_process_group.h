@@ -29,6 +29,7 @@
 // Thread-safety: as ProcessGroup. Destruction fails pending calls (Aborted) and joins the thread.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -114,6 +115,8 @@ class TcpProcessGroup final : public ProcessGroup {
     std::shared_ptr<CompletionWork> work;
   };
   std::deque<Item> queue_;                  // guarded by mu_
+  std::atomic<bool> store_unreachable_{false};  // set when a failure-path store call failed
+  std::atomic<int> queued_{0};              // queue_.size(), readable without mu_ (comm thread's spin)
   bool stopping_ = false;                   // guarded by mu_
   absl::Status failure_;                    // guarded by mu_; first failure of the group
   std::string current_;                     // guarded by mu_; what the comm thread is waiting for

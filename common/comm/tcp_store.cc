@@ -102,7 +102,7 @@ absl::StatusOr<proto::Message> TcpStore::round_trip(const proto::Message& reques
     }
   }
   if (!conn.valid()) {
-    auto c = open_connection(absl::Now() + options_.io_timeout);
+    auto c = open_connection(absl::Now() + std::min(options_.io_timeout, options_.reconnect_timeout));
     if (!c.ok()) return c.status();
     conn = std::move(*c);
   }

@@ -37,6 +37,9 @@ struct TcpStoreOptions {
   // Deadline for one request's network round trip (get / wait add their own timeout on top).
   absl::Duration io_timeout = absl::Seconds(60);
   std::size_t max_frame_bytes = tcp_store_protocol::kDefaultMaxFrameBytes;
+  // After create(), opening another pooled connection retries only this long: a server that went away
+  // (e.g. its host rank died) is reported quickly instead of after connect_timeout.
+  absl::Duration reconnect_timeout = absl::Seconds(1);
 };
 
 class TcpStore final : public Store {
