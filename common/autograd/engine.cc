@@ -197,6 +197,8 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
 absl::Status try_backward(const Tensor& root, const Tensor& grad, const BackwardOptions& options) {
   try {
     backward(root, grad, options);
+  } catch (const StatusError& e) {
+    return e.status();
   } catch (const AutogradError& e) {
     return absl::FailedPreconditionError(e.what());
   } catch (const std::exception& e) {

@@ -24,6 +24,7 @@
 
 #include <functional>
 #include <stdexcept>
+#include <string>
 
 #include "absl/status/status.h"
 #include "common/autograd/node.h"
@@ -37,6 +38,19 @@ class AutogradError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An exception that carries a Status, for hooks and callbacks whose failure comes from outside (a
+// collective that timed out, a peer that died). It propagates out of backward(); try_backward()
+// returns its status unchanged (code and message). Derive from it to keep a richer type.
+class StatusError : public std::runtime_error {
+ public:
+  explicit StatusError(absl::Status status)
+      : std::runtime_error(std::string(status.message())), status_(std::move(status)) {}
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
 struct BackwardOptions {
   // Keep saved tensors so backward can run through the graph again.
   bool retain_graph = false;
@@ -48,8 +62,8 @@ void backward(const Tensor& root, const Tensor& grad = Tensor(), const BackwardO
 // Several roots at once (one graph traversal), one gradient per root (undefined = 1 for one-element roots).
 void backward(const TensorList& roots, const TensorList& grads, const BackwardOptions& options = {});
 
-// backward() that reports errors as a Status instead of throwing: FailedPrecondition for
-// AutogradError, Internal for anything else (a hook's exception, a broken invariant).
+// backward() that reports errors as a Status instead of throwing: the carried status for StatusError,
+// FailedPrecondition for AutogradError, Internal for anything else (a hook's exception, a broken invariant).
 absl::Status try_backward(const Tensor& root, const Tensor& grad = Tensor(), const BackwardOptions& options = {});
 
 // Queues `fn` to run after the whole running backward (see above). Throws AutogradError when no

@@ -170,5 +170,16 @@ TEST(PostAccumulateGradHookTest, AHookExceptionPropagatesAndTheEngineRecovers) {
   EXPECT_THAT(a.grad().to_vector(), ElementsAre(2));
 }
 
+TEST(PostAccumulateGradHookTest, AStatusErrorFromACallbackKeepsItsCode) {
+  Tensor a = Leaf({1}, {1});
+  auto h = register_post_accumulate_grad_hook(a, [](const Tensor&) {
+    queue_callback([] { throw StatusError(absl::DeadlineExceededError("all_reduce on rank 1: deadline passed")); });
+  });
+  const absl::Status st = try_backward(sum(a));
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(st.message(), "all_reduce on rank 1: deadline passed");
+  EXPECT_FALSE(is_backward_running());
+}
+
 }  // namespace
 }  // namespace shardkit::autograd
