@@ -1,0 +1,210 @@
+#include "sddp/data_parallel.h"
+
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/logging.h"
+#include "sddp/model_sync.h"
+
+namespace shardkit::sddp {
+
+DataParallel::DataParallel(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group, DataParallelOptions options,
+                           ReduceStrategy strategy, std::vector<oss::Oss*> optimizers)
+    : module_(module),
+      pg_(std::move(group)),
+      options_(options),
+      strategy_(strategy),
+      optimizers_(std::move(optimizers)) {}
+
+DataParallel::~DataParallel() = default;
+
+absl::Status DataParallel::init() {
+  if (absl::Status s = verify_same_model(module_, *pg_, options_.timeout); !s.ok()) return s;
+  if (options_.sync_models_at_startup) {
+    if (absl::Status s = broadcast_module_state(module_, *pg_, true, true, options_.timeout); !s.ok()) return s;
+  }
+  auto reducer = make_reducer();
+  if (!reducer.ok()) return reducer.status();
+  reducer_ = std::move(*reducer);
+  trainable_ = trainable_flags();
+  forward_hook_ = module_.register_forward_pre_hook([this](nn::Module&, const nn::TensorList&) -> std::optional<nn::TensorList> {
+    before_forward();
+    return std::nullopt;
+  });
+  return absl::OkStatus();
+}
+
+std::vector<bool> DataParallel::trainable_flags() const {
+  std::vector<bool> out;
+  for (const Tensor& p : module_.parameters()) out.push_back(p.requires_grad());
+  return out;
+}
+
+std::int64_t DataParallel::trainable_numel() const {
+  std::int64_t n = 0;
+  for (const ReducerParam& p : reducer_->params()) n += p.param.numel();
+  return n;
+}
+
+absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
+  struct Where {
+    int opt, group, param;
+  };
+  std::map<const TensorImpl*, Where> where;
+  std::map<std::pair<int, int>, int> space_of;           // (opt, group) -> space
+  std::vector<std::vector<std::vector<std::int64_t>>> start;  // [opt][group][param] flat start
+  std::vector<oss::FlatGroup> spaces;
+  for (std::size_t o = 0; o < optimizers_.size(); ++o) {
+    const oss::Oss& opt = *optimizers_[o];
+    start.emplace_back();
+    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
+      start[o].emplace_back();
+      std::int64_t off = 0;
+      const auto& params = opt.param_group(g).params;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        where[params[i].id()] = {static_cast<int>(o), static_cast<int>(g), static_cast<int>(i)};
+        start[o][g].push_back(off);
+        off += params[i].numel();
+      }
+      if (strategy_ == ReduceStrategy::reduce_scatter) {
+        space_of[{static_cast<int>(o), static_cast<int>(g)}] = static_cast<int>(spaces.size());
+        spaces.push_back(opt.flat_partition().groups.at(g));
+      }
+    }
+  }
+  std::vector<ReducerParam> params;
+  std::map<int, DType> space_dtype;
+  for (const auto& [name, t] : module_.named_parameters()) {
+    if (!t.requires_grad()) continue;
+    ReducerParam rp{name, t};
+    if (strategy_ != ReduceStrategy::all_reduce) {
+      auto it = where.find(t.id());
+      if (it == where.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("ShardedDataParallel: expected every trainable parameter in one of the optimizers, found '",
+                                                       name, "' in none"));
+      }
+      const Where w = it->second;
+      if (strategy_ == ReduceStrategy::reduce_to_owner) {
+        rp.owner = optimizers_[static_cast<std::size_t>(w.opt)]->owner(w.group, w.param);
+      } else {
+        rp.space = space_of.at({w.opt, w.group});
+        rp.flat_offset = start[static_cast<std::size_t>(w.opt)][static_cast<std::size_t>(w.group)][static_cast<std::size_t>(w.param)];
+        auto [d, fresh] = space_dtype.emplace(rp.space, t.dtype());
+        if (!fresh && d->second != t.dtype()) {
+          return absl::InvalidArgumentError(absl::StrCat("ShardedDataParallel (flat): expected one dtype per param group, found ",
+                                                         std::string(dtype_name(d->second)), " and ",
+                                                         std::string(dtype_name(t.dtype())), " ('", name, "')"));
+        }
+      }
+    }
+    params.push_back(std::move(rp));
+  }
+  std::vector<FlatPiece> pieces;
+  if (strategy_ == ReduceStrategy::reduce_scatter) {
+    for (std::size_t o = 0; o < optimizers_.size(); ++o) {
+      oss::Oss* opt = optimizers_[o];
+      const auto& owned = opt->owned_pieces();
+      for (std::size_t k = 0; k < owned.size(); ++k) {
+        const oss::OwnedPiece& pc = owned[k];
+        const Tensor& t = opt->param_group(static_cast<std::size_t>(pc.group)).params.at(static_cast<std::size_t>(pc.param));
+        if (!t.requires_grad()) continue;
+        pieces.push_back({space_of.at({static_cast<int>(o), pc.group}),
+                          start[o][static_cast<std::size_t>(pc.group)][static_cast<std::size_t>(pc.param)] + pc.offset,
+                          pc.length, [opt, k](const Tensor& g) { opt->set_piece_grad(k, g); }});
+      }
+    }
+  }
+  ReducerOptions ro{.bucket_numel = options_.reduce_buffer_size,
+                    .reduce_fp16 = options_.reduce_fp16,
+                    .max_buckets_in_flight = options_.max_buckets_in_flight,
+                    .rebuild_buckets = true,
+                    .timeout = options_.timeout};
+  return std::make_unique<Reducer>(strategy_, std::move(params), std::move(spaces), std::move(pieces), pg_, ro);
+}
+
+void DataParallel::before_forward() {
+  if (options_.auto_refresh_trainable && trainable_flags() != trainable_) {
+    if (options_.warn_on_trainable_params_changed) {
+      SK_LOG(kWarning, "sddp: the set of trainable parameters changed; rebuilding the gradient reducer");
+    }
+    refresh_trainable();
+  }
+  if (absl::Status s = wait_for_buffers(); !s.ok()) throw ReducerError(std::move(s));
+  if (options_.broadcast_buffers && module_.is_training()) {
+    if (absl::Status s = sync_buffers(true); !s.ok()) throw ReducerError(std::move(s));
+  }
+}
+
+void DataParallel::refresh_trainable() {
+  const bool sync = reducer_ ? reducer_->sync() : true;
+  reducer_.reset();  // removes the old hooks first
+  auto r = make_reducer();
+  SK_CHECK(r.ok()) << r.status().ToString();
+  reducer_ = std::move(*r);
+  reducer_->set_sync(sync);
+  trainable_ = trainable_flags();
+  for (oss::Oss* o : optimizers_) o->refresh_trainable();
+}
+
+absl::Status DataParallel::reduce() { return reducer_->reduce_now(); }
+
+absl::Status DataParallel::sync_buffers(bool blocking) {
+  if (pg_->size() == 1) return absl::OkStatus();
+  if (absl::Status s = wait_for_buffers(); !s.ok()) return s;
+  const absl::Duration to = options_.timeout.value_or(pg_->default_timeout());
+  for (const auto& [name, t] : module_.named_buffers()) {
+    buffer_works_.push_back(pg_->broadcast(t, {.root = 0, .timeout = to, .tag = name}));
+  }
+  return blocking ? wait_for_buffers() : absl::OkStatus();
+}
+
+absl::Status DataParallel::wait_for_buffers() {
+  absl::Status first = absl::OkStatus();
+  for (auto& w : buffer_works_) first.Update(w->wait());
+  buffer_works_.clear();
+  return first;
+}
+
+void DataParallel::zero_grad(bool set_to_none) {
+  module_.zero_grad(set_to_none);
+  if (set_to_none) {
+    reducer_->release_piece_grads();
+  } else {
+    for (const Tensor& g : reducer_->held_gradients()) g.zero_();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<DistributedDataParallel>> DistributedDataParallel::create(
+    nn::Module& module, std::shared_ptr<comm::ProcessGroup> group, DataParallelOptions options) {
+  std::unique_ptr<DistributedDataParallel> dp(
+      new DistributedDataParallel(module, std::move(group), options, ReduceStrategy::all_reduce, {}));
+  if (absl::Status s = dp->init(); !s.ok()) return s;
+  return dp;
+}
+
+absl::StatusOr<std::unique_ptr<ShardedDataParallel>> ShardedDataParallel::create(
+    nn::Module& module, std::vector<oss::Oss*> optimizers, std::shared_ptr<comm::ProcessGroup> group,
+    DataParallelOptions options) {
+  if (optimizers.empty()) return absl::InvalidArgumentError("ShardedDataParallel: expected at least one Oss, found none");
+  const oss::PartitionPolicy policy = optimizers[0]->policy();
+  for (const oss::Oss* o : optimizers) {
+    if (o == nullptr) return absl::InvalidArgumentError("ShardedDataParallel: null Oss");
+    if (o->policy() != policy) {
+      return absl::InvalidArgumentError("ShardedDataParallel: expected every Oss to use the same partition policy");
+    }
+    if (o->process_group().size() != group->size() || o->process_group().rank() != group->rank()) {
+      return absl::InvalidArgumentError(absl::StrCat("ShardedDataParallel: expected the Oss group to match (rank ",
+                                                     group->rank(), " of ", group->size(), "), found rank ",
+                                                     o->process_group().rank(), " of ", o->process_group().size()));
+    }
+  }
+  const ReduceStrategy strategy =
+      policy == oss::PartitionPolicy::flat ? ReduceStrategy::reduce_scatter : ReduceStrategy::reduce_to_owner;
+  std::unique_ptr<ShardedDataParallel> dp(
+      new ShardedDataParallel(module, std::move(group), options, strategy, std::move(optimizers)));
+  if (absl::Status s = dp->init(); !s.ok()) return s;
+  return dp;
+}
+
+}  // namespace shardkit::sddp

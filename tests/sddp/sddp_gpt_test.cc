@@ -1,0 +1,206 @@
+// GPT-tiny trained 20 steps on N simulated ranks (each its slice of the batch) with DDP, OSS + DDP and
+// OSS + ShardedDDP (greedy, flat) ends equal to single-rank training on the whole batch (DESIGN.md section
+// 8), with tiny buckets so that many buckets flush during backward.
+#include <memory>
+
+#include "common/comm/testing/run_ranks.h"
+#include "oss/oss.h"
+#include "sddp/data_parallel.h"
+#include "tests/sddp/sddp_test_util.h"
+
+namespace shardkit::sddp {
+namespace {
+
+using test_util::Batch;
+using test_util::kBatch;
+using test_util::TinyConfig;
+using test_util::Values;
+
+enum class Mode { ddp, oss_ddp, sddp_greedy, sddp_flat };
+
+std::string ModeName(Mode m) {
+  switch (m) {
+    case Mode::ddp: return "ddp";
+    case Mode::oss_ddp: return "oss_ddp";
+    case Mode::sddp_greedy: return "sddp_greedy";
+    case Mode::sddp_flat: return "sddp_flat";
+  }
+  return "?";
+}
+
+// One rank's trainer: the wrapper and the optimizer for `mode`.
+struct Trainer {
+  std::unique_ptr<optim::Optimizer> plain;
+  std::unique_ptr<oss::Oss> oss;
+  std::unique_ptr<DataParallel> dp;
+
+  static absl::StatusOr<Trainer> make(Mode mode, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
+                                      DataParallelOptions options) {
+    Trainer t;
+    std::vector<optim::ParamGroup> groups{{model.parameters(), optim::AdamW::default_hyper()}};
+    if (mode == Mode::ddp) {
+      auto o = optim::AdamW::factory()(groups);
+      if (!o.ok()) return o.status();
+      t.plain = std::move(*o);
+    } else {
+      auto o = oss::Oss::create(groups, optim::AdamW::factory(), pg,
+                                {.policy = mode == Mode::sddp_flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy,
+                                 .bucket_bytes = 4096});
+      if (!o.ok()) return o.status();
+      t.oss = std::move(*o);
+    }
+    if (mode == Mode::ddp || mode == Mode::oss_ddp) {
+      auto d = DistributedDataParallel::create(model, pg, options);
+      if (!d.ok()) return d.status();
+      t.dp = std::move(*d);
+    } else {
+      auto d = ShardedDataParallel::create(model, {t.oss.get()}, pg, options);
+      if (!d.ok()) return d.status();
+      t.dp = std::move(*d);
+    }
+    return t;
+  }
+  void zero_grad() {
+    if (plain) plain->zero_grad();
+    if (oss) oss->zero_grad();
+    dp->zero_grad();
+  }
+  absl::Status step() {
+    if (plain) {
+      plain->step();
+      return absl::OkStatus();
+    }
+    return oss->step();
+  }
+};
+
+absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, DataParallelOptions options,
+                      int freeze_at = -1) {
+  auto t = Trainer::make(mode, model, env.group_ptr, options);
+  if (!t.ok()) return t.status();
+  const int rows = kBatch / env.world_size;
+  for (int step = 0; step < steps; ++step) {
+    if (step == freeze_at) test_util::FreezeBlock0(model);
+    auto [x, y] = Batch(step, env.rank * rows, rows);
+    t->zero_grad();
+    if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+    if (absl::Status s = t->step(); !s.ok()) return s;
+  }
+  if (t->dp->num_buckets() < 2 && options.reduce_buffer_size > 0 && options.reduce_buffer_size < t->dp->trainable_numel() / 2 && env.world_size > 1) {
+    return absl::InternalError("expected several buckets");
+  }
+  return absl::OkStatus();
+}
+
+class SddpGpt : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
+
+// Tolerance as in tests/oss/oss_gpt_test.cc: AdamW moves parameters by ~lr per step whatever the gradient's
+// size, so reduction-order differences stay below ~1e-5 after 20 steps.
+TEST_P(SddpGpt, TwentyStepsEqualSingleRankOnTheWholeBatch) {
+  const auto [world, mode] = GetParam();
+  static const auto want = test_util::Reference(20);
+  std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
+  absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = RunSteps(mode, env, model, 20, {.reduce_buffer_size = 300}); !s.ok()) return s;
+    got[static_cast<std::size_t>(env.rank)] = Values(model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  test_util::ExpectMatches(got, want, 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, SddpGpt,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
+                                            ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::sddp_greedy,
+                                                              Mode::sddp_flat)),
+                         [](const auto& info) {
+                           return ModeName(std::get<1>(info.param)) + "_n" + std::to_string(std::get<0>(info.param));
+                         });
+
+class SddpGptOptions : public ::testing::TestWithParam<Mode> {};
+
+// No buckets (reduce_buffer_size 0: each parameter alone, reduced in place) and f32 default buckets.
+TEST_P(SddpGptOptions, UnbucketedAndLargeBucketsAlsoMatch) {
+  static const auto want = test_util::Reference(6);
+  for (const std::int64_t size : {std::int64_t{0}, std::int64_t{1} << 23}) {
+    std::vector<std::vector<std::vector<float>>> got(3);
+    absl::Status st = comm::RunRanks(3, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(TinyConfig(), 1);
+      if (absl::Status s = RunSteps(GetParam(), env, model, 6, {.reduce_buffer_size = size}); !s.ok()) return s;
+      got[static_cast<std::size_t>(env.rank)] = Values(model);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    test_util::ExpectMatches(got, want, 2e-5);
+  }
+}
+
+// Freezing block 0 before step 5 (requires_grad false on every rank): the wrapper notices before the next
+// forward, rebuilds its buckets, and training continues equal to the single-rank run that freezes too.
+TEST_P(SddpGptOptions, FreezingALayerMidRun) {
+  static const auto want = test_util::Reference(10, 5);
+  std::vector<std::vector<std::vector<float>>> got(2);
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = RunSteps(GetParam(), env, model, 10, {.reduce_buffer_size = 300}, 5); !s.ok()) return s;
+    got[static_cast<std::size_t>(env.rank)] = Values(model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  test_util::ExpectMatches(got, want, 2e-5);
+}
+
+// Four micro-batches per rank, the first three inside no_sync() (local accumulation, no communication), each
+// loss scaled by 1/4: equals one step on the whole batch. The variant `by_hand` runs all four inside
+// no_sync() and calls reduce() afterwards.
+TEST_P(SddpGptOptions, NoSyncAccumulationEqualsOneLargeBatch) {
+  static const auto want = test_util::Reference(4);
+  for (const bool by_hand : {false, true}) {
+    for (const int world : {2, 3}) {
+      std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
+      absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+        nn::GPT model(TinyConfig(), 1);
+        auto t = Trainer::make(GetParam(), model, env.group_ptr, {.reduce_buffer_size = 300});
+        if (!t.ok()) return t.status();
+        const int rows = kBatch / world, micro = rows / 4;
+        for (int step = 0; step < 4; ++step) {
+          t->zero_grad();
+          const auto before = env.group.counters();
+          for (int m = 0; m < 4; ++m) {
+            auto [x, y] = Batch(step, env.rank * rows + m * micro, micro);
+            absl::Status s;
+            if (m < 3 || by_hand) {
+              auto scope = t->dp->no_sync();
+              s = autograd::try_backward(autograd::scale(model.loss(x, y), 0.25f));
+            } else {
+              s = autograd::try_backward(autograd::scale(model.loss(x, y), 0.25f));
+            }
+            if (!s.ok()) return s;
+            if (m < 3) {  // nothing was reduced inside no_sync (buffers are broadcast before forward)
+              const auto c = env.group.counters().since(before);
+              EXPECT_EQ(c.of(comm::CollectiveKind::all_reduce).calls + c.of(comm::CollectiveKind::reduce).calls +
+                            c.of(comm::CollectiveKind::reduce_scatter).calls,
+                        0);
+            }
+          }
+          if (by_hand) {
+            if (absl::Status s = t->dp->reduce(); !s.ok()) return s;
+          }
+          if (absl::Status s = t->step(); !s.ok()) return s;
+        }
+        got[static_cast<std::size_t>(env.rank)] = Values(model);
+        return absl::OkStatus();
+      });
+      ASSERT_TRUE(st.ok()) << st;
+      test_util::ExpectMatches(got, want, 2e-5);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SddpGptOptions,
+                         ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::sddp_greedy, Mode::sddp_flat),
+                         [](const auto& info) { return ModeName(info.param); });
+
+}  // namespace
+}  // namespace shardkit::sddp

@@ -1,0 +1,210 @@
+// ShardedDataParallel / DistributedDataParallel: bucket policies, construction checks, buffers, errors,
+// the per-rank gradient ledger and the bytes sent per step.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+
+#include "common/autograd/hooks.h"
+#include "common/comm/testing/run_ranks.h"
+#include "common/nn/models.h"
+#include "common/optim/sgd.h"
+#include "oss/oss.h"
+#include "sddp/bucketing.h"
+#include "sddp/data_parallel.h"
+#include "sddp/model_sync.h"
+#include "tests/sddp/sddp_test_util.h"
+
+namespace shardkit::sddp {
+namespace {
+
+using ::testing::HasSubstr;
+using test_util::Batch;
+using test_util::kBatch;
+using test_util::TinyConfig;
+
+// ---- bucket policies (pure functions) ----
+
+TEST(AssignBuckets, FollowsReadyOrderNotSizeAndKeepsKeysApart) {
+  // ready order 3, 2, 1, 0; sizes 5, 100, 5, 5; cap 12; params 0 and 2 owned by key 1, others key 0.
+  const std::vector<int> order{3, 2, 1, 0};
+  const std::vector<std::int64_t> numel{5, 100, 5, 5};
+  const std::vector<int> key{1, 0, 1, 0};
+  const auto b = assign_buckets(order, numel, key, 12);
+  // Launch order is by last member's ready position: {3} (the only small key-0 parameter), then the large param 1 alone, then {2, 0} of key 1.
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_EQ(b[0], std::vector<int>({3}));
+  EXPECT_EQ(b[1], std::vector<int>({1}));
+  EXPECT_EQ(b[2], std::vector<int>({2, 0}));
+  // cap 0: one bucket per parameter, in ready order.
+  const auto none = assign_buckets(order, numel, key, 0);
+  ASSERT_EQ(none.size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(none[static_cast<std::size_t>(i)], std::vector<int>({3 - i}));
+  // cap 10, one key: buckets close when the next parameter does not fit.
+  const auto full = assign_buckets(std::vector<int>{0, 1, 2}, std::vector<std::int64_t>{4, 4, 4},
+                                   std::vector<int>{0, 0, 0}, 10);
+  ASSERT_EQ(full.size(), 2u);
+  EXPECT_EQ(full[0], std::vector<int>({0, 1}));
+  EXPECT_EQ(full[1], std::vector<int>({2}));
+}
+
+TEST(AssignColumns, EqualSegmentsCoverEveryRankRange) {
+  // 3 params of 5, 7, 4 elements (total 16) over 3 ranks: shard 6, ranges [0,6) [6,12) [12,16).
+  const oss::FlatGroup g{16, 6};
+  const std::vector<FlatMember> members{{0, 0, 5}, {1, 5, 7}, {2, 12, 4}};
+  const auto cols = assign_columns(0, g, members, 3, 4);
+  ASSERT_EQ(cols.size(), 2u);  // widths 4 and 2
+  EXPECT_EQ(cols[0].width, 4);
+  EXPECT_EQ(cols[1].width, 2);
+  std::int64_t covered = 0;
+  for (const auto& c : cols) {
+    for (const auto& p : c.pieces) {
+      covered += p.length;
+      EXPECT_LE(p.segment_offset + p.length, c.width);
+    }
+  }
+  EXPECT_EQ(covered, 16);
+  // rank 1's range starts inside param 1 at element 1 (flat 6).
+  EXPECT_EQ(cols[0].pieces[1], (ColumnPiece{1, 1, 1, 0, 4}));
+  // A gap (param 1 frozen, not a member) is skipped.
+  const std::vector<FlatMember> gap{{0, 0, 5}, {2, 12, 4}};
+  std::int64_t n = 0;
+  for (const auto& c : assign_columns(0, g, gap, 3, 0)) {
+    for (const auto& p : c.pieces) n += p.length;
+  }
+  EXPECT_EQ(n, 9);
+}
+
+// ---- construction ----
+
+TEST(Construction, ARankWhoseModelDiffersIsRefusedNamingTheParameter) {
+  absl::Status st = comm::RunRanks(3, [](comm::RankEnv& env) {
+    Generator gen(5);
+    auto model = nn::make_mlp({4, env.rank == 2 ? 9 : 8, 2}, gen);
+    auto dp = DistributedDataParallel::create(*model, env.group_ptr);
+    ASSERT_FALSE(dp.ok());
+    EXPECT_EQ(dp.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(dp.status().message()),
+                HasSubstr("model on rank 2 differs from rank 0 at entry 0: expected 'param 0.weight f32[8, 4]', "
+                          "found 'param 0.weight f32[9, 4]'"));
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST(Construction, BroadcastsRankZerosParametersAndBuffers) {
+  absl::Status st = comm::RunRanks(2, [](comm::RankEnv& env) {
+    Generator gen(static_cast<std::uint64_t>(10 + env.rank));  // different values per rank
+    auto model = nn::make_batchnorm_mlp({4, 8, 2}, gen);
+    model->named_buffers()[0].second.fill_(env.rank + 1.0);
+    auto dp = DistributedDataParallel::create(*model, env.group_ptr);
+    ASSERT_TRUE(dp.ok()) << dp.status();
+    Generator ref_gen(10);
+    auto ref = nn::make_batchnorm_mlp({4, 8, 2}, ref_gen);
+    for (std::size_t i = 0; i < model->parameters().size(); ++i) {
+      EXPECT_EQ(model->parameters()[i].to_vector(), ref->parameters()[i].to_vector());
+    }
+    EXPECT_EQ(model->named_buffers()[0].second.to_vector()[0], 1.0f);
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST(Construction, ShardedNeedsEveryTrainableParameterInAnOptimizer) {
+  absl::Status st = comm::RunRanks(2, [](comm::RankEnv& env) {
+    Generator gen(5);
+    auto model = nn::make_mlp({4, 8, 2}, gen);
+    auto params = model->parameters();
+    params.pop_back();
+    auto oss = oss::Oss::create({{params, {}}}, optim::Sgd::factory({.lr = 0.1}), env.group_ptr);
+    ASSERT_TRUE(oss.ok());
+    auto dp = ShardedDataParallel::create(*model, {oss->get()}, env.group_ptr);
+    ASSERT_FALSE(dp.ok());
+    EXPECT_THAT(std::string(dp.status().message()), HasSubstr("found '2.bias' in none"));
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// ---- errors during backward ----
+
+TEST(Reducer, AGradientMarkedReadyTwiceInOneBackwardIsAClearError) {
+  absl::Status st = comm::RunRanks(1, [](comm::RankEnv& env) {
+    Generator gen(5);
+    auto model = nn::make_mlp({4, 8, 2}, gen);
+    auto dp = DistributedDataParallel::create(*model, env.group_ptr);
+    ASSERT_TRUE(dp.ok());
+    const Tensor w = model->parameters()[0];
+    auto again = autograd::register_post_accumulate_grad_hook(w, [&](const Tensor&) { (*dp)->mutable_reducer().mark_ready(0); });
+    Tensor x = Tensor::uniform({3, 4}, gen, -1, 1);
+    absl::Status s = autograd::try_backward(autograd::sum((*model)(x)));
+    EXPECT_FALSE(s.ok());
+    EXPECT_THAT(std::string(s.message()), HasSubstr("gradient of parameter '0.weight' marked ready twice in one backward"));
+    // The next backward starts clean.
+    again.remove();
+    model->zero_grad();
+    EXPECT_TRUE(autograd::try_backward(autograd::sum((*model)(x))).ok());
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// ---- buffers ----
+
+// BatchNorm running statistics differ per rank (each rank sees its own batch). With broadcast_buffers
+// every forward starts from rank 0's buffers; without, ranks drift apart.
+TEST(Buffers, BroadcastBuffersKeepsBatchNormStatisticsOnRankZeros) {
+  for (const bool broadcast : {true, false}) {
+    std::vector<std::vector<std::vector<float>>> seen(2);  // [rank][forward]
+    std::vector<std::vector<float>> after(2);
+    absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) {
+      Generator gen(5);
+      auto model = nn::make_batchnorm_mlp({4, 8, 2}, gen);
+      auto oss = oss::Oss::create({{model->parameters(), {}}}, optim::Sgd::factory({.lr = 0.1}), env.group_ptr);
+      ASSERT_TRUE(oss.ok());
+      auto dp = ShardedDataParallel::create(*model, {oss->get()}, env.group_ptr,
+                                            {.broadcast_buffers = broadcast, .reduce_buffer_size = 16});
+      ASSERT_TRUE(dp.ok()) << dp.status();
+      const Tensor mean = model->named_buffers()[0].second;
+      // Registered after the wrapper's hook, so it sees the buffers the forward will use.
+      auto probe = model->register_forward_pre_hook([&](nn::Module&, const nn::TensorList&) -> std::optional<nn::TensorList> {
+        seen[static_cast<std::size_t>(env.rank)].push_back(mean.to_vector());
+        return std::nullopt;
+      });
+      Generator data(77, static_cast<std::uint64_t>(env.rank));
+      for (int step = 0; step < 3; ++step) {
+        (*oss)->zero_grad();
+        Tensor x = Tensor::uniform({6, 4}, data, -1, 2);
+        autograd::backward(autograd::sum((*model)(x)));
+        ASSERT_TRUE((*oss)->step().ok());
+      }
+      after[static_cast<std::size_t>(env.rank)] = mean.to_vector();
+      // Parameters stay identical either way (gradients are reduced).
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(seen[0].size(), 3u);
+    ASSERT_EQ(seen[1].size(), 3u);
+    for (int step = 1; step < 3; ++step) {
+      if (broadcast) {
+        EXPECT_EQ(seen[0][static_cast<std::size_t>(step)], seen[1][static_cast<std::size_t>(step)]) << "step " << step;
+      } else {
+        EXPECT_NE(seen[0][static_cast<std::size_t>(step)], seen[1][static_cast<std::size_t>(step)]) << "step " << step;
+      }
+    }
+    // Either way the last forward updated each rank's own copy from its own batch.
+    EXPECT_NE(after[0], after[1]);
+  }
+}
+
+TEST(Buffers, SyncBuffersByHand) {
+  absl::Status st = comm::RunRanks(3, [](comm::RankEnv& env) {
+    Generator gen(5);
+    auto model = nn::make_batchnorm_mlp({4, 8, 2}, gen);
+    auto dp = DistributedDataParallel::create(*model, env.group_ptr);
+    ASSERT_TRUE(dp.ok());
+    const Tensor mean = model->named_buffers()[0].second;
+    mean.fill_(env.rank);
+    ASSERT_TRUE((*dp)->sync_buffers(/*blocking=*/false).ok());
+    ASSERT_TRUE((*dp)->wait_for_buffers().ok());
+    EXPECT_EQ(mean.to_vector(), std::vector<float>(8, 0.0f));
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+}  // namespace
+}  // namespace shardkit::sddp

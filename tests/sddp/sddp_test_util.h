@@ -1,0 +1,81 @@
+// Shared helpers of the sddp tests: GPT-tiny batches, a single-rank reference, parameter comparison.
+#pragma once
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/autograd/engine.h"
+#include "common/autograd/ops.h"
+#include "common/nn/gpt.h"
+#include "common/optim/adam.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardkit::sddp::test_util {
+
+inline constexpr int kBatch = 24;  // divisible by 1, 2, 3, 4 and 8
+
+inline nn::GPTConfig TinyConfig() { return *nn::GPTConfig::named("gpt-10k"); }
+
+// Batch `step`: tokens and next-token targets, rows [row0, row0 + rows).
+inline std::pair<Tensor, Tensor> Batch(int step, int row0, int rows) {
+  const nn::GPTConfig c = TinyConfig();
+  Generator gen(99, static_cast<std::uint64_t>(step));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(kBatch * (c.context + 1)));
+  for (auto& t : all) t = static_cast<std::int64_t>(gen.next_below(static_cast<std::uint64_t>(c.vocab_size)));
+  std::vector<std::int64_t> x, y;
+  for (int r = row0; r < row0 + rows; ++r) {
+    for (std::int64_t t = 0; t < c.context; ++t) {
+      x.push_back(all[static_cast<std::size_t>(r * (c.context + 1) + t)]);
+      y.push_back(all[static_cast<std::size_t>(r * (c.context + 1) + t + 1)]);
+    }
+  }
+  return {Tensor::from_int64(x, {rows, c.context}), Tensor::from_int64(y, {rows, c.context})};
+}
+
+inline std::vector<std::vector<float>> Values(const nn::Module& m) {
+  std::vector<std::vector<float>> out;
+  for (const Tensor& p : m.parameters()) out.push_back(p.to_vector());
+  return out;
+}
+
+// Freezes block 0 of a GPT (what the "freeze mid-run" tests do on every rank and in the reference).
+inline void FreezeBlock0(nn::GPT& model) { (*model.blocks)[0]->set_requires_grad(false); }
+
+// Single-rank AdamW training on the whole batch; `freeze_at` >= 0 freezes block 0 before that step.
+inline std::vector<std::vector<float>> Reference(int steps, int freeze_at = -1) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  nn::GPT model(TinyConfig(), 1);
+  auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+  for (int step = 0; step < steps; ++step) {
+    if (step == freeze_at) FreezeBlock0(model);
+    auto [x, y] = Batch(step, 0, kBatch);
+    (*opt)->zero_grad();
+    autograd::backward(model.loss(x, y));
+    (*opt)->step();
+  }
+  return Values(model);
+}
+
+// Every rank's parameters equal the reference within tol, and equal rank 0's exactly.
+inline void ExpectMatches(const std::vector<std::vector<std::vector<float>>>& got,
+                          const std::vector<std::vector<float>>& want, double tol) {
+  for (std::size_t r = 0; r < got.size(); ++r) {
+    const auto& g = got[r];
+    ASSERT_EQ(g.size(), want.size()) << "rank " << r;
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      ASSERT_EQ(g[i].size(), want[i].size());
+      for (std::size_t k = 0; k < g[i].size(); ++k) {
+        ASSERT_NEAR(g[i][k], want[i][k], tol + tol * std::abs(want[i][k]))
+            << "rank " << r << " param " << i << "[" << k << "]";
+      }
+    }
+    EXPECT_EQ(g, got[0]) << "rank " << r << " differs from rank 0";
+  }
+}
+
+}  // namespace shardkit::sddp::test_util
