@@ -13,7 +13,10 @@
 //   broadcast       chunked chain root -> root+1 -> ... -> root-1
 //   reduce          chunked chain root+1 -> ... -> root-1 -> root (non-root tensors are used as scratch)
 //   barrier         a 1-byte-per-rank ring all-gather
-//   send / recv     the pair's connection
+//   send / recv     the pair's connection. Calls run one at a time on the comm thread, so a send larger than
+//                   the socket buffers completes only once the peer's matching recv runs: when two ranks
+//                   exchange large tensors, one of them must issue its recv first (or use a collective);
+//                   otherwise both sends wait for each other until the deadline (an error, never a hang).
 // bf16 / f16 partial sums are computed in f32 and rounded to the tensor dtype at every hop (the
 // contract allows it); every rank ends with bit-identical results (the all-gather copies bytes).
 // Every call starts with a 32-byte header to the peers it sends to (kind, dtype, op, root, seq, numel):
