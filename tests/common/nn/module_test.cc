@@ -254,5 +254,45 @@ TEST(ModuleTest, GptActivationsReleasedWithTheGraph) {
   EXPECT_EQ(ctx.memory->current(MemoryCategory::parameter), 4 * Tiny().num_parameters());
 }
 
+TEST(DeferredInitTest, MaterialisedPiecesEqualTheEagerModelBitForBit) {
+  const GPTConfig config = *GPTConfig::named("gpt-100k");
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  DeferredInit deferred;
+  std::shared_ptr<GPT> lazy;
+  {
+    DeferredInitScope d(deferred);
+    lazy = std::make_shared<GPT>(config, 11);
+  }
+  // Structure only: no parameter bytes held, and never more than one parameter at a time.
+  EXPECT_EQ(ctx.memory->current(MemoryCategory::parameter), 0);
+  const auto params = lazy->named_parameters();
+  std::int64_t largest = 0;
+  for (const auto& [n, t] : params) largest = std::max<std::int64_t>(largest, static_cast<std::int64_t>(t.nbytes()));
+  EXPECT_EQ(ctx.memory->peak(MemoryCategory::parameter), largest);  // 4 * [4C, C]
+  EXPECT_EQ(deferred.pending(), params.size());
+  for (const auto& [n, t] : params) EXPECT_TRUE(t.storage_released()) << n;
+  // One unit at a time.
+  Module& block1 = *lazy->blocks->child("1");
+  deferred.materialize(block1);
+  std::int64_t block_elems = 0;
+  for (const auto& [n, t] : block1.named_parameters()) block_elems += t.numel();
+  EXPECT_EQ(ctx.memory->current(MemoryCategory::parameter), 4 * block_elems);
+  EXPECT_FALSE(deferred.is_deferred(block1.named_parameters()[0].second));
+  EXPECT_TRUE(deferred.is_deferred(lazy->wte->weight()));
+  deferred.materialize(*lazy);
+  EXPECT_EQ(deferred.pending(), 0u);
+  EXPECT_EQ(ctx.memory->current(MemoryCategory::parameter), 4 * config.num_parameters());
+  GPT eager(config, 11);
+  const auto pe = eager.named_parameters();
+  ASSERT_EQ(pe.size(), params.size());
+  for (std::size_t i = 0; i < pe.size(); ++i) {
+    EXPECT_EQ(params[i].second.to_vector(), pe[i].second.to_vector()) << pe[i].first;
+  }
+  Tensor idx = Tensor::from_int64({1, 2, 3, 4}, {1, 4});
+  EXPECT_EQ((*lazy)(idx).to_vector(), eager(idx).to_vector());
+  EXPECT_TRUE(lazy->lm_head->weight().is_same(lazy->wte->weight()));
+}
+
 }  // namespace
 }  // namespace shardkit::nn
