@@ -146,7 +146,8 @@ std::string run_report(const Options& o, const RunResult& r) {
   absl::StrAppend(&out, absl::StrFormat("  (= %.2f x 4Psi)\n", static_cast<double>(r.ranks[0].bytes_sent_per_step) / (4.0 * static_cast<double>(psi))));
   absl::StrAppend(&out, "  expected: ", expected_comm(o, r), "\n");
   if (!r.sample.empty()) absl::StrAppend(&out, "\nsample (temperature 0.8):\n", printable(r.sample), "\n");
-  absl::StrAppend(&out, absl::StrFormat("\nparameter digest: %016x\n", r.param_digest));
+  if (!r.losses.empty()) absl::StrAppend(&out, absl::StrFormat("\nfinal loss: %.9g\n", r.losses.back()));
+  absl::StrAppend(&out, absl::StrFormat("parameter digest: %016x\n", r.param_digest));
   return out;
 }
 
