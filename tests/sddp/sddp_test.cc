@@ -11,6 +11,7 @@
 #include "oss/oss.h"
 #include "sddp/bucketing.h"
 #include "sddp/data_parallel.h"
+#include "sddp/grad_scaler.h"
 #include "sddp/model_sync.h"
 #include "tests/sddp/sddp_test_util.h"
 
@@ -204,6 +205,114 @@ TEST(Buffers, SyncBuffersByHand) {
     EXPECT_EQ(mean.to_vector(), std::vector<float>(8, 0.0f));
   });
   EXPECT_TRUE(st.ok()) << st;
+}
+
+}  // namespace
+}  // namespace shardkit::sddp
+
+namespace shardkit::sddp {
+namespace {
+
+using test_util::Batch;
+using test_util::kBatch;
+using test_util::TinyConfig;
+using test_util::Values;
+
+// ---- sharded grad scaler ----
+
+// Only rank 1 holds an inf: every rank learns it from the one all_reduce and skips the step (fairscale #179);
+// the scale backs off. Clean steps unscale exactly and step everywhere; the scale grows after the interval.
+TEST(ShardedGradScaler, FoundInfIsAgreedByEveryRankBeforeAnyoneSteps) {
+  absl::Status st = comm::RunRanks(3, [](comm::RankEnv& env) {
+    ShardedGradScaler scaler(env.group_ptr, {.init_scale = 8.0, .growth_interval = 2});
+    Tensor g32 = Tensor::full({5}, 4.0);
+    Tensor g16 = Tensor::full({3}, 2.0, TensorOptions{}.with_dtype(DType::f16));
+    if (env.rank == 1) g16.data<f16_t>()[2] = f32_to_f16(INFINITY);
+    int steps = 0;
+    auto stepped = scaler.step({g32, g16}, [&] { ++steps; return absl::OkStatus(); });
+    ASSERT_TRUE(stepped.ok());
+    EXPECT_FALSE(*stepped);
+    EXPECT_EQ(steps, 0);
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 4.0);
+    for (int i = 0; i < 2; ++i) {
+      Tensor g = Tensor::full({4}, 8.0);
+      auto ok = scaler.step({g}, [&] { ++steps; return absl::OkStatus(); });
+      ASSERT_TRUE(ok.ok());
+      EXPECT_TRUE(*ok);
+      EXPECT_EQ(g.to_vector(), std::vector<float>(4, 2.0f));
+      scaler.update();
+    }
+    EXPECT_EQ(steps, 2);
+    EXPECT_EQ(scaler.get_scale(), 8.0);  // grew after 2 clean steps
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// With a power-of-two scale the loss scaling is exact: GPT-tiny trained through ShardedDDP + scaler equals
+// single-rank training without it. SGD (not Adam, which is nearly scale-invariant) so that a gradient left
+// scaled would show.
+TEST(ShardedGradScaler, ScaledShardedTrainingEqualsUnscaledReference) {
+  const auto sgd = optim::Sgd::factory();  // the groups carry lr 1e-3 (AdamW::default_hyper, as the reference)
+  const auto want = test_util::Reference(5, -1, sgd);
+  for (const auto policy : {oss::PartitionPolicy::greedy, oss::PartitionPolicy::flat}) {
+    std::vector<std::vector<std::vector<float>>> got(2);
+    absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(TinyConfig(), 1);
+      auto oss = oss::Oss::create({{model.parameters(), optim::AdamW::default_hyper()}}, sgd, env.group_ptr,
+                                  {.policy = policy});
+      if (!oss.ok()) return oss.status();
+      auto dp = ShardedDataParallel::create(model, {oss->get()}, env.group_ptr, {.reduce_buffer_size = 500});
+      if (!dp.ok()) return dp.status();
+      ShardedGradScaler scaler(env.group_ptr, {.init_scale = 1024.0});
+      for (int step = 0; step < 5; ++step) {
+        auto [x, y] = Batch(step, env.rank * kBatch / 2, kBatch / 2);
+        (*oss)->zero_grad();
+        if (absl::Status s = autograd::try_backward(scaler.scale(model.loss(x, y))); !s.ok()) return s;
+        auto stepped = scaler.step((*dp)->held_gradients(), [&] { return (*oss)->step(); });
+        if (!stepped.ok()) return stepped.status();
+        if (!*stepped) return absl::InternalError("unexpected overflow");
+        scaler.update();
+      }
+      got[static_cast<std::size_t>(env.rank)] = Values(model);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    test_util::ExpectMatches(got, want, 2e-5);
+  }
+}
+
+// reduce_fp16: gradients travel in f16 (half the bytes); training stays close to the f32 reference.
+TEST(ReduceFp16, HalvesGradientBytesAndStaysClose) {
+  const auto want = test_util::Reference(5);
+  for (const bool flat : {false, true}) {
+    std::vector<std::vector<std::vector<float>>> got(2);
+    std::vector<std::int64_t> grad_sent(2);
+    absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(TinyConfig(), 1);
+      auto oss = oss::Oss::create({{model.parameters(), optim::AdamW::default_hyper()}}, optim::AdamW::factory(),
+                                  env.group_ptr, {.policy = flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy});
+      if (!oss.ok()) return oss.status();
+      auto dp = ShardedDataParallel::create(model, {oss->get()}, env.group_ptr,
+                                            {.reduce_buffer_size = 500, .reduce_fp16 = true});
+      if (!dp.ok()) return dp.status();
+      for (int step = 0; step < 5; ++step) {
+        auto [x, y] = Batch(step, env.rank * kBatch / 2, kBatch / 2);
+        (*oss)->zero_grad();
+        Tensor loss = model.loss(x, y);
+        const auto before = env.group.counters();
+        if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
+        grad_sent[static_cast<std::size_t>(env.rank)] = env.group.counters().since(before).total_sent();
+        if (absl::Status s = (*oss)->step(); !s.ok()) return s;
+      }
+      got[static_cast<std::size_t>(env.rank)] = Values(model);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    const std::int64_t psi = nn::GPT(TinyConfig(), 1).num_parameters();
+    EXPECT_EQ(grad_sent[0] + grad_sent[1], psi * 2) << "f16: (n-1)·Ψ·2 bytes over both ranks";
+    test_util::ExpectMatches(got, want, 2e-3);
+  }
 }
 
 }  // namespace

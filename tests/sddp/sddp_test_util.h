@@ -46,11 +46,12 @@ inline std::vector<std::vector<float>> Values(const nn::Module& m) {
 inline void FreezeBlock0(nn::GPT& model) { (*model.blocks)[0]->set_requires_grad(false); }
 
 // Single-rank AdamW training on the whole batch; `freeze_at` >= 0 freezes block 0 before that step.
-inline std::vector<std::vector<float>> Reference(int steps, int freeze_at = -1) {
+inline std::vector<std::vector<float>> Reference(int steps, int freeze_at = -1,
+                                                 const optim::OptimizerFactory& factory = optim::AdamW::factory()) {
   RankContext ctx;
   RankContextScope scope(ctx);
   nn::GPT model(TinyConfig(), 1);
-  auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+  auto opt = factory({{model.parameters(), optim::AdamW::default_hyper()}});
   for (int step = 0; step < steps; ++step) {
     if (step == freeze_at) FreezeBlock0(model);
     auto [x, y] = Batch(step, 0, kBatch);
