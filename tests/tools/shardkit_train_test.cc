@@ -60,7 +60,7 @@ void ExpectOneLineError(const testing::RunResult& r, const std::string& needle) 
 }
 
 TEST(ShardkitTrainBadInput, UnknownStrategy) {
-  ExpectOneLineError(Train({"--strategy", "zero9"}), "expected --strategy one of ddp, oss");
+  ExpectOneLineError(Train({"--strategy", "zero9"}), "expected --strategy one of ddp, oss, sddp, found 'zero9'");
 }
 
 TEST(ShardkitTrainBadInput, MissingDataFile) {
@@ -146,13 +146,17 @@ TEST(ShardkitTrain, ResumeAfterKillBetweenStepsEqualsUninterruptedRun) {
                            "--checkpoint-dir", full_dir, "--resume"});
   ASSERT_EQ(ddp3.exit_code, 0) << ddp3.err;
   EXPECT_EQ(Field(ddp3.out, "parameter digest: "), want);
+  const auto sddp4 = Train({"--model", "tiny", "--steps", "10", "--ranks", "4", "--sample", "0", "--strategy", "sddp",
+                            "--checkpoint-dir", full_dir, "--resume"});
+  ASSERT_EQ(sddp4.exit_code, 0) << sddp4.err;
+  EXPECT_EQ(Field(sddp4.out, "parameter digest: "), want);
   fs::remove_all(full_dir);
   fs::remove_all(kill_dir);
 }
 
 // Two processes over TCP (shardrun) end with the loss of two threads (same seed) within fp32 tolerance.
 TEST(ShardkitTrain, ShardrunTcpEqualsThreads) {
-  for (const std::string strategy : {"oss", "ddp"}) {
+  for (const std::string strategy : {"sddp", "oss", "ddp"}) {
     SCOPED_TRACE(strategy);
     const std::vector<std::string> args = {"--strategy", strategy, "--steps", "20", "--model", "tiny", "--sample", "0"};
     std::vector<std::string> tcp = {SHARDRUN_PATH, "--nproc", "2", "--", SHARDKIT_TRAIN_PATH};
@@ -173,7 +177,7 @@ TEST(ShardkitTrain, ShardrunTcpEqualsThreads) {
 
 // --ranks 4: parameter, gradient and optimizer-state peaks equal the formula exactly on every rank ("=").
 TEST(ShardkitTrain, MemoryTableMatchesZeroFormulas) {
-  for (const std::string strategy : {"ddp", "oss"}) {
+  for (const std::string strategy : {"ddp", "oss", "sddp"}) {
     SCOPED_TRACE(strategy);
     const auto r = Train({"--strategy", strategy, "--ranks", "4", "--steps", "2", "--model", "tiny", "--sample", "0"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -193,6 +197,7 @@ TEST(ShardkitTrain, CompareWritesTableAndSvg) {
   EXPECT_THAT(r.out, HasSubstr("sent/rank/step"));
   EXPECT_TRUE(std::regex_search(r.out, std::regex("\nddp +[0-9.]+ ")));
   EXPECT_TRUE(std::regex_search(r.out, std::regex("\noss +[0-9.]+ ")));
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("\nsddp +[0-9.]+ ")));
   std::ifstream f(dir + "/chart.svg");
   const std::string svg((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_THAT(svg, StartsWith("<svg "));

@@ -158,7 +158,7 @@ std::string usage() {
       "  --strategy ", strategies, "   sharding strategy (default oss)\n"
       "  --ranks N               simulated ranks as threads (default 4); under shardrun: one rank per process\n"
       "  --model tiny|small|base model size (default small)\n"
-      "  --steps N               optimizer steps (default 250)\n"
+      "  --steps N               optimizer steps (default 300)\n"
       "  --batch N               sequences per rank per step (default 4)\n"
       "  --lr X                  peak learning rate, warmup + cosine (default 3e-3)\n"
       "  --precision fp32|bf16   bf16: gradients and parameter updates communicated in bf16 (default fp32)\n"

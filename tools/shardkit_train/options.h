@@ -32,7 +32,7 @@ struct Options {
   Strategy strategy = Strategy::oss;
   int ranks = 4;              // simulated ranks (threads); WORLD_SIZE when started by shardrun
   std::string model = "small";
-  std::int64_t steps = 250;
+  std::int64_t steps = 300;
   std::int64_t batch = 4;     // sequences per rank per step
   double lr = 3e-3;
   Precision precision = Precision::fp32;

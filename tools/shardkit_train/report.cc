@@ -43,8 +43,9 @@ std::string expected_comm(const Options& o, const RunResult& r) {
                           "Psi/N = ", with_commas(ar + ag));
     }
     case Strategy::sddp:
-      return absl::StrCat("reduce of gradients to owners + parameter update: about 2(N-1)/N x ", grad_bytes,
-                          "Psi = ", with_commas(ar));
+      return absl::StrCat("reduce_scatter of gradients (N-1) x 4Psi/N + all_gather of parameters (N-1) x ",
+                          grad_bytes, "Psi/N = ", with_commas((n - 1) * ((psi + n - 1) / n) * (4 + grad_bytes)),
+                          " (plus padding)");
   }
   return "";
 }

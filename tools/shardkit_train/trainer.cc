@@ -22,7 +22,7 @@
 #include "common/tensor/rank_context.h"
 #include "oss/oss.h"
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
-#include "sddp/sharded_data_parallel.h"
+#include "sddp/data_parallel.h"
 #endif
 
 namespace shardkit::train {
@@ -74,12 +74,24 @@ class Runner {
 
 class DdpRunner : public Runner {
  public:
-  static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, comm::ProcessGroup& pg, const Options& o) {
+  static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
+                                                        const Options& o) {
     auto opt = optim::AdamW::make({{model.parameters(), hyper(o)}}, hyper(o));
     if (!opt.ok()) return opt.status();
-    return std::unique_ptr<Runner>(new DdpRunner(model, pg, o, std::move(*opt)));
+    std::unique_ptr<DdpRunner> r(new DdpRunner(model, *pg, o, std::move(*opt)));
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+    if (o.precision == Precision::fp32) {
+      auto dp = sddp::DistributedDataParallel::create(model, pg);
+      if (!dp.ok()) return dp.status();
+      r->dp_ = std::move(*dp);
+    }
+#endif
+    return std::unique_ptr<Runner>(std::move(r));
   }
   absl::Status backward(const Tensor& loss) override {
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+    if (dp_) return autograd::try_backward(loss);  // the wrapper all-reduces buckets during backward
+#endif
     autograd::backward(loss);
     return all_reduce_grads(pg_, params_, precision_);
   }
@@ -107,24 +119,49 @@ class DdpRunner : public Runner {
   std::vector<Tensor> params_;
   Precision precision_;
   std::unique_ptr<optim::Optimizer> opt_;
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+  std::unique_ptr<sddp::DistributedDataParallel> dp_;
+#endif
 };
 
 class OssRunner : public Runner {
  public:
   static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
-                                                        const Options& o) {
+                                                        const Options& o, bool sharded) {
     oss::OssOptions oo{.policy = oss::PartitionPolicy::flat};
     if (o.precision == Precision::bf16) oo.broadcast_dtype = DType::bf16;
     auto opt = oss::Oss::create({{model.parameters(), hyper(o)}}, optim::AdamW::factory(hyper(o)), pg, oo);
     if (!opt.ok()) return opt.status();
-    return std::unique_ptr<Runner>(new OssRunner(model, std::move(pg), o, std::move(*opt)));
+    std::unique_ptr<OssRunner> r(new OssRunner(model, pg, o, std::move(*opt)));
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+    if (sharded) {
+      auto dp = sddp::ShardedDataParallel::create(model, {r->opt_.get()}, pg);
+      if (!dp.ok()) return dp.status();
+      r->dp_ = std::move(*dp);
+    } else if (o.precision == Precision::fp32) {
+      auto dp = sddp::DistributedDataParallel::create(model, pg);
+      if (!dp.ok()) return dp.status();
+      r->dp_ = std::move(*dp);
+    }
+#else
+    if (sharded) return absl::UnimplementedError("strategy sddp is not built into this shardkit-train");
+#endif
+    return std::unique_ptr<Runner>(std::move(r));
   }
   absl::Status backward(const Tensor& loss) override {
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+    if (dp_) return autograd::try_backward(loss);  // the wrapper reduces buckets during backward
+#endif
     autograd::backward(loss);
     return all_reduce_grads(*pg_, params_, precision_);
   }
   absl::Status step() override { return opt_->step(); }
-  void zero_grad() override { opt_->zero_grad(); }
+  void zero_grad() override {
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+    if (dp_) dp_->zero_grad();
+#endif
+    opt_->zero_grad();
+  }
   void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
   absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
     SKT_RETURN_IF_ERROR(opt_->consolidate_state_dict(0));
@@ -143,16 +180,19 @@ class OssRunner : public Runner {
   std::vector<Tensor> params_;
   Precision precision_;
   std::unique_ptr<oss::Oss> opt_;
+#ifdef SHARDKIT_TRAIN_HAS_SDDP
+  std::unique_ptr<sddp::DataParallel> dp_;  // declared after opt_: destroyed first (it refers to opt_)
+#endif
 };
 
 absl::StatusOr<std::unique_ptr<Runner>> make_runner(Strategy s, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
                                                     const Options& o) {
   switch (s) {
-    case Strategy::ddp: return DdpRunner::create(model, *pg, o);
-    case Strategy::oss: return OssRunner::create(model, std::move(pg), o);
-    case Strategy::sddp: break;
+    case Strategy::ddp: return DdpRunner::create(model, std::move(pg), o);
+    case Strategy::oss: return OssRunner::create(model, std::move(pg), o, false);
+    case Strategy::sddp: return OssRunner::create(model, std::move(pg), o, true);
   }
-  return absl::UnimplementedError("strategy sddp is not built into this shardkit-train");
+  return absl::InternalError("unknown strategy");
 }
 
 std::int64_t total_sent(const comm::CommCounters& c) {

@@ -7,12 +7,17 @@
 // gives the same losses up to the backends' fp32 summation order.
 //
 // Strategies (Note [strategies in shardkit-train]):
-//   ddp:  full AdamW on every rank; every gradient all_reduce(avg)'d after backward.
-//   oss:  gradients all_reduce(avg)'d as DDP; oss::Oss (flat partition) steps each rank's 1/N share of
-//         the optimizer state and all_gathers the updated parameters (fairscale's OSS + DDP).
-//   sddp: sddp::ShardedDataParallel (when built): gradients reduced to their owners only.
-// --precision bf16: gradients are communicated in bf16 (cast, all_reduce, cast back) and OSS sends
-// parameters in bf16; compute and the stored parameters stay fp32 (the autograd ops are fp32-only).
+//   ddp:  full AdamW on every rank; sddp::DistributedDataParallel all-reduces gradient buckets during
+//         backward (ZeRO-0: 16 bytes of model state per parameter on every rank).
+//   oss:  the same DDP gradient all-reduce, then oss::Oss (flat partition) steps each rank's 1/N share of
+//         the optimizer state and all-gathers the updated parameters (fairscale's OSS + DDP, ZeRO-1).
+//   sddp: sddp::ShardedDataParallel over the same Oss: gradient buckets are reduce-scattered into the owned
+//         slices during backward and full-size gradients are released (ZeRO-2).
+// Without the sddp layer (an older tree) ddp / oss fall back to one all_reduce per gradient after
+// backward, and sddp is not offered.
+// --precision bf16: gradients are all-reduced in bf16 (one all_reduce per gradient after backward: cast,
+// reduce, cast back; sddp keeps its fp32 reduce-scatter) and OSS sends parameters in bf16. Compute and the
+// stored parameters stay fp32 (the autograd ops are fp32-only), so the memory formulas are the fp32 ones.
 //
 // Measurements, per rank: per-category peak bytes of the ledger over the training steps (peaks restart
 // at each step; checkpoint work between steps is not counted), bytes sent per step from the
