@@ -67,7 +67,7 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
         start[o][g].push_back(off);
         off += params[i].numel();
       }
-      if (strategy_ == ReduceStrategy::reduce_scatter) {
+      if (is_flat(strategy_)) {
         space_of[{static_cast<int>(o), static_cast<int>(g)}] = static_cast<int>(spaces.size());
         spaces.push_back(opt.flat_partition().groups.at(g));
       }
@@ -101,7 +101,7 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
     params.push_back(std::move(rp));
   }
   std::vector<FlatPiece> pieces;
-  if (strategy_ == ReduceStrategy::reduce_scatter) {
+  if (is_flat(strategy_)) {
     for (std::size_t o = 0; o < optimizers_.size(); ++o) {
       oss::Oss* opt = optimizers_[o];
       const auto& owned = opt->owned_pieces();
@@ -199,8 +199,9 @@ absl::StatusOr<std::unique_ptr<ShardedDataParallel>> ShardedDataParallel::create
                                                      o->process_group().rank(), " of ", o->process_group().size()));
     }
   }
-  const ReduceStrategy strategy =
-      policy == oss::PartitionPolicy::flat ? ReduceStrategy::reduce_scatter : ReduceStrategy::reduce_to_owner;
+  const ReduceStrategy strategy = policy == oss::PartitionPolicy::greedy ? ReduceStrategy::reduce_to_owner
+                                  : options.flat_reduce_scatter         ? ReduceStrategy::reduce_scatter
+                                                                        : ReduceStrategy::flat_reduce_to_owner;
   std::unique_ptr<ShardedDataParallel> dp(
       new ShardedDataParallel(module, std::move(group), options, strategy, std::move(optimizers)));
   if (absl::Status s = dp->init(); !s.ok()) return s;

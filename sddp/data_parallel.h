@@ -64,6 +64,12 @@ struct DataParallelOptions {
   int max_buckets_in_flight = 4;
   // Deadline of each collective; empty: the group's default.
   std::optional<absl::Duration> timeout = std::nullopt;
+  // OSS flat policy only. true: column buckets reduce-scattered into the owned slices (Note [column
+  // buckets]: padding-free reduce_scatter, but a column fills only when its rank-0 part is ready, so up to
+  // the whole model's gradients sit in bucket buffers during backward and less of the reduction overlaps).
+  // false: ready-order buckets of owner-aligned pieces reduced to their owner (DeepSpeed stage-2 style: the
+  // same bytes, buffers bounded by max_buckets_in_flight, reductions overlap like greedy).
+  bool flat_reduce_scatter = true;
 };
 
 class DataParallel {

@@ -84,6 +84,10 @@ void Reducer::build_buckets(const std::vector<int>& order) {
   for (std::size_t i = 0; i < order.size(); ++i) position[static_cast<std::size_t>(order[i])] = static_cast<int>(i);
   auto wire_dtype = [&](DType d) { return options_.reduce_fp16 ? DType::f16 : d; };
 
+  if (strategy_ == ReduceStrategy::flat_reduce_to_owner) {
+    build_flat_owner_buckets(position);
+    return;
+  }
   if (strategy_ != ReduceStrategy::reduce_scatter) {
     std::vector<std::int64_t> numel(n);
     std::vector<int> key(n);
@@ -153,13 +157,69 @@ void Reducer::build_buckets(const std::vector<int>& order) {
     // Where this rank's output lands in its owned pieces.
     const oss::FlatGroup& g = spaces_[static_cast<std::size_t>(c.space)];
     const std::int64_t lo = g.begin(rank_) + c.offset;
-    const std::int64_t hi = std::min(lo + c.width, g.end(rank_));
-    for (std::size_t k = 0; k < pieces_.size(); ++k) {
-      const FlatPiece& fp = pieces_[k];
-      if (fp.space != c.space) continue;
-      const std::int64_t a = std::max(lo, fp.flat_offset), z = std::min(hi, fp.flat_offset + fp.length);
-      if (a < z) b.outs.push_back({static_cast<int>(k), a - fp.flat_offset, a - lo, z - a});
+    add_outs(b, c.space, lo, std::min(lo + c.width, g.end(rank_)), 0);
+    buckets_.push_back(std::move(b));
+  }
+}
+
+// Output elements [out_base, out_base + hi - lo) of bucket b hold flat elements [lo, hi) of `space`: record
+// where they go in this rank's owned pieces.
+void Reducer::add_outs(Bucket& b, int space, std::int64_t lo, std::int64_t hi, std::int64_t out_base) const {
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const FlatPiece& fp = pieces_[k];
+    if (fp.space != space) continue;
+    const std::int64_t a = std::max(lo, fp.flat_offset), z = std::min(hi, fp.flat_offset + fp.length);
+    if (a < z) b.outs.push_back({static_cast<int>(k), a - fp.flat_offset, out_base + a - lo, z - a});
+  }
+}
+
+// flat_reduce_to_owner: every parameter is cut at the rank boundaries of its flat space into units with one
+// owner each; units are bucketed like whole parameters (ready order, one owner per bucket) and each bucket is
+// reduced to its owner, which copies the result into its owned pieces.
+void Reducer::build_flat_owner_buckets(const std::vector<int>& position) {
+  struct Unit {
+    int param;
+    std::int64_t offset, length;
+    int owner;
+  };
+  std::vector<Unit> units;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const ReducerParam& rp = params_[i];
+    const oss::FlatGroup& g = spaces_.at(static_cast<std::size_t>(rp.space));
+    const std::int64_t fo = rp.flat_offset, fe = fo + rp.param.numel();
+    for (int r = 0; r < world_; ++r) {
+      const std::int64_t a = std::max(fo, g.begin(r)), z = std::min(fe, g.end(r));
+      if (a < z) units.push_back({static_cast<int>(i), a - fo, z - a, r});
     }
+    slots_[i].owned = false;
+  }
+  std::vector<int> order(units.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return position[static_cast<std::size_t>(units[static_cast<std::size_t>(a)].param)] <
+           position[static_cast<std::size_t>(units[static_cast<std::size_t>(b)].param)];
+  });
+  std::vector<std::int64_t> numel;
+  std::vector<int> key;
+  for (const Unit& u : units) {
+    numel.push_back(u.length);
+    key.push_back(u.owner * 8 + static_cast<int>(params_[static_cast<std::size_t>(u.param)].param.dtype()));
+  }
+  for (const auto& members : assign_buckets(order, numel, key, options_.bucket_numel)) {
+    Bucket b;
+    const Unit& first = units[static_cast<std::size_t>(members[0])];
+    b.root = first.owner;
+    b.dtype = options_.reduce_fp16 ? DType::f16 : params_[static_cast<std::size_t>(first.param)].param.dtype();
+    for (int ui : members) {
+      const Unit& u = units[static_cast<std::size_t>(ui)];
+      const ReducerParam& rp = params_[static_cast<std::size_t>(u.param)];
+      slots_[static_cast<std::size_t>(u.param)].entries.emplace_back(static_cast<int>(buckets_.size()),
+                                                                     static_cast<int>(b.entries.size()));
+      b.entries.push_back({u.param, u.offset, b.numel, u.length});
+      if (b.root == rank_) add_outs(b, rp.space, rp.flat_offset + u.offset, rp.flat_offset + u.offset + u.length, b.numel);
+      b.numel += u.length;
+    }
+    b.expected = static_cast<int>(b.entries.size());
     buckets_.push_back(std::move(b));
   }
 }
@@ -268,6 +328,7 @@ void Reducer::launch(int bi) {
       b.work = pg_->all_reduce(t, {.timeout = timeout(), .tag = tag});
       break;
     case ReduceStrategy::reduce_to_owner:
+    case ReduceStrategy::flat_reduce_to_owner:
       b.work = pg_->reduce(t, {.root = b.root, .timeout = timeout(), .tag = tag});
       break;
     case ReduceStrategy::reduce_scatter:
@@ -294,7 +355,8 @@ void Reducer::finish(int bi) {
   b.work.reset();
   const bool keep = strategy_ == ReduceStrategy::all_reduce ||
                     (strategy_ == ReduceStrategy::reduce_to_owner && b.root == rank_);
-  if (strategy_ == ReduceStrategy::reduce_scatter) {
+  if (is_flat(strategy_)) {
+    const Tensor& src = strategy_ == ReduceStrategy::reduce_scatter ? b.output : b.buffer;
     for (const OutEntry& o : b.outs) {
       Tensor& pg = piece_grads_[static_cast<std::size_t>(o.piece)];
       if (!pg.defined()) {
@@ -302,7 +364,7 @@ void Reducer::finish(int bi) {
         const DType d = params_[static_cast<std::size_t>(b.entries[0].param)].param.dtype();
         pg = Tensor::empty({fp.length}, TensorOptions{}.with_dtype(d).with_category(MemoryCategory::gradient));
       }
-      flat_view(pg, o.piece_offset, o.length).copy_(flat_view(b.output, o.out_offset, o.length));
+      flat_view(pg, o.piece_offset, o.length).copy_(flat_view(src, o.out_offset, o.length));
     }
   } else if (keep) {
     if (!b.in_place) {
@@ -391,7 +453,7 @@ void Reducer::release_piece_grads() {
 
 std::vector<Tensor> Reducer::held_gradients() const {
   std::vector<Tensor> out;
-  if (strategy_ == ReduceStrategy::reduce_scatter) {
+  if (is_flat(strategy_)) {
     for (const Tensor& t : piece_grads_) {
       if (t.defined()) out.push_back(t);
     }

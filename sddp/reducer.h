@@ -9,6 +9,10 @@
 //                    reduce-scattered straight into each rank's owned slices; full-size   flat; ZeRO-2)
 //                    gradients are released on every rank and the owned slices are
 //                    delivered through FlatPiece::deliver
+//   flat_reduce_to_owner  flat split too, but ready-order buckets of parameter pieces cut at  (ShardedDDP, OSS
+//                    rank boundaries, each bucket reduced to its owner and delivered into     flat, DeepSpeed
+//                    the owned slices: bounded buffers and more overlap than columns, the     stage-2 style)
+//                    same bytes
 //
 // Backward, per synchronised backward (Note [reducer lifecycle] in reducer.cc):
 //   * a post-accumulate-grad hook per trainable parameter calls mark_ready(i): its gradient is copied into
@@ -52,7 +56,12 @@
 
 namespace shardkit::sddp {
 
-enum class ReduceStrategy { all_reduce, reduce_to_owner, reduce_scatter };
+enum class ReduceStrategy { all_reduce, reduce_to_owner, reduce_scatter, flat_reduce_to_owner };
+
+// True for the strategies that deliver owned flat slices (FlatPiece) instead of whole gradients.
+inline bool is_flat(ReduceStrategy s) {
+  return s == ReduceStrategy::reduce_scatter || s == ReduceStrategy::flat_reduce_to_owner;
+}
 
 class ReducerError : public std::runtime_error {
  public:
@@ -69,8 +78,8 @@ struct ReducerParam {
   std::string name;
   Tensor param;
   int owner = -1;                // reduce_to_owner: the rank that keeps the reduced gradient
-  int space = -1;                // reduce_scatter: index of its flat space
-  std::int64_t flat_offset = 0;  // reduce_scatter: where it starts in that space
+  int space = -1;                // flat strategies: index of its flat space
+  std::int64_t flat_offset = 0;  // flat strategies: where it starts in that space
 };
 
 // reduce_scatter: one of this rank's owned slices of a flat space, [flat_offset, flat_offset + length).
@@ -180,6 +189,8 @@ class Reducer {
   };
 
   void build_buckets(const std::vector<int>& order);
+  void build_flat_owner_buckets(const std::vector<int>& position);
+  void add_outs(Bucket& b, int space, std::int64_t lo, std::int64_t hi, std::int64_t out_base) const;
   void begin_backward();
   void copy_in(int index);
   void launch_ready();

@@ -16,7 +16,7 @@ using test_util::kBatch;
 using test_util::TinyConfig;
 using test_util::Values;
 
-enum class Mode { ddp, oss_ddp, sddp_greedy, sddp_flat };
+enum class Mode { ddp, oss_ddp, sddp_greedy, sddp_flat, sddp_flat_owner };
 
 std::string ModeName(Mode m) {
   switch (m) {
@@ -24,6 +24,7 @@ std::string ModeName(Mode m) {
     case Mode::oss_ddp: return "oss_ddp";
     case Mode::sddp_greedy: return "sddp_greedy";
     case Mode::sddp_flat: return "sddp_flat";
+    case Mode::sddp_flat_owner: return "sddp_flat_owner";
   }
   return "?";
 }
@@ -44,7 +45,8 @@ struct Trainer {
       t.plain = std::move(*o);
     } else {
       auto o = oss::Oss::create(groups, optim::AdamW::factory(), pg,
-                                {.policy = mode == Mode::sddp_flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy,
+                                {.policy = mode == Mode::sddp_flat || mode == Mode::sddp_flat_owner ? oss::PartitionPolicy::flat
+                                                                                                    : oss::PartitionPolicy::greedy,
                                  .bucket_bytes = 4096});
       if (!o.ok()) return o.status();
       t.oss = std::move(*o);
@@ -54,6 +56,7 @@ struct Trainer {
       if (!d.ok()) return d.status();
       t.dp = std::move(*d);
     } else {
+      options.flat_reduce_scatter = mode != Mode::sddp_flat_owner;
       auto d = ShardedDataParallel::create(model, {t.oss.get()}, pg, options);
       if (!d.ok()) return d.status();
       t.dp = std::move(*d);
@@ -113,7 +116,7 @@ TEST_P(SddpGpt, TwentyStepsEqualSingleRankOnTheWholeBatch) {
 INSTANTIATE_TEST_SUITE_P(Ranks, SddpGpt,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
                                             ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::sddp_greedy,
-                                                              Mode::sddp_flat)),
+                                                              Mode::sddp_flat, Mode::sddp_flat_owner)),
                          [](const auto& info) {
                            return ModeName(std::get<1>(info.param)) + "_n" + std::to_string(std::get<0>(info.param));
                          });
@@ -199,7 +202,8 @@ TEST_P(SddpGptOptions, NoSyncAccumulationEqualsOneLargeBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, SddpGptOptions,
-                         ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::sddp_greedy, Mode::sddp_flat),
+                         ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::sddp_greedy, Mode::sddp_flat,
+                                           Mode::sddp_flat_owner),
                          [](const auto& info) { return ModeName(info.param); });
 
 }  // namespace

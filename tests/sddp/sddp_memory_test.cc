@@ -15,8 +15,16 @@ using test_util::Batch;
 using test_util::kBatch;
 using test_util::TinyConfig;
 
-enum class Kind { ddp, greedy, flat };
-const char* KindName(Kind k) { return k == Kind::ddp ? "ddp" : k == Kind::greedy ? "sddp_greedy" : "sddp_flat"; }
+enum class Kind { ddp, greedy, flat, flat_owner };
+const char* KindName(Kind k) {
+  switch (k) {
+    case Kind::ddp: return "ddp";
+    case Kind::greedy: return "sddp_greedy";
+    case Kind::flat: return "sddp_flat";
+    case Kind::flat_owner: return "sddp_flat_owner";
+  }
+  return "?";
+}
 
 struct Measured {
   std::int64_t psi = 0;            // parameter elements
@@ -46,13 +54,15 @@ std::vector<Measured> Measure(Kind kind, int world) {
     std::unique_ptr<optim::Optimizer> plain;
     std::unique_ptr<oss::Oss> oss;
     std::unique_ptr<DataParallel> dp;
-    const DataParallelOptions o{.reduce_buffer_size = kBucket, .max_buckets_in_flight = kInFlight};
+    const DataParallelOptions o{.reduce_buffer_size = kBucket,
+                                .max_buckets_in_flight = kInFlight,
+                                .flat_reduce_scatter = kind == Kind::flat};
     if (kind == Kind::ddp) {
       plain = std::move(*optim::AdamW::factory()(groups));
       dp = std::move(*DistributedDataParallel::create(model, env.group_ptr, o));
     } else {
       auto created = oss::Oss::create(groups, optim::AdamW::factory(), env.group_ptr,
-                                      {.policy = kind == Kind::flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy});
+                                      {.policy = kind == Kind::greedy ? oss::PartitionPolicy::greedy : oss::PartitionPolicy::flat});
       if (!created.ok()) return created.status();
       oss = std::move(*created);
       auto d = ShardedDataParallel::create(model, {oss.get()}, env.group_ptr, o);
@@ -149,7 +159,7 @@ TEST_P(SddpMemory, BytesSentPerStepAreTheTwoPsiVolume) {
     const Measured& m = ms[static_cast<std::size_t>(r)];
     sum += m.total_sent;
     grad_sum += m.grad_sent;
-    if (kind == Kind::greedy) {
+    if (kind == Kind::greedy || kind == Kind::flat_owner) {
       EXPECT_EQ(m.grad_sent, (m.psi - m.owned) * 4) << "rank " << r;
     } else {
       EXPECT_EQ(m.total_sent, 2 * (world - 1) * m.psi * 4 / world) << "rank " << r;
@@ -163,7 +173,7 @@ TEST_P(SddpMemory, BytesSentPerStepAreTheTwoPsiVolume) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, SddpMemory,
-                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(Kind::ddp, Kind::greedy, Kind::flat)),
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(Kind::ddp, Kind::greedy, Kind::flat, Kind::flat_owner)),
                          [](const auto& info) {
                            return std::string(KindName(std::get<1>(info.param))) + "_n" +
                                   std::to_string(std::get<0>(info.param));
