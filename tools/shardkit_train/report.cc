@@ -153,8 +153,9 @@ std::string run_report(const Options& o, const RunResult& r) {
 }
 
 std::string compare_table(const std::vector<RunResult>& results) {
-  std::string out = absl::StrFormat("\n%-9s %10s %11s %11s %11s %11s %11s %11s %11s %14s %10s\n", "strategy", "step (s)",
-                                    "param", "grad", "optim", "activ", "comm buf", "other", "total", "sent/rank/step", "final loss");
+  std::string out = absl::StrFormat("\n%-9s %9s %11s %11s %11s %12s %11s %11s %11s %11s %15s %10s\n", "strategy", "step (s)",
+                                    "param", "grad", "optim", "model state", "activ", "comm buf", "other", "sum", "sent/rank/step",
+                                    "final loss");
   for (const RunResult& r : results) {
     std::array<std::int64_t, kNumMemoryCategories> mx{};
     std::int64_t sent = 0;
@@ -164,11 +165,12 @@ std::string compare_table(const std::vector<RunResult>& results) {
     }
     std::int64_t total = 0;
     for (std::int64_t v : mx) total += v;
-    absl::StrAppend(&out, absl::StrFormat("%-9s %10.3f %11s %11s %11s %11s %11s %11s %11s %14s %10.4f\n", strategy_name(r.strategy),
-                                          r.seconds_per_step, kb(mx[0]), kb(mx[1]), kb(mx[2]), kb(mx[3]), kb(mx[4]), kb(mx[5]),
-                                          kb(total), with_commas(sent), r.losses.empty() ? 0.0 : r.losses.back()));
+    absl::StrAppend(&out, absl::StrFormat("%-9s %9.3f %11s %11s %11s %12s %11s %11s %11s %11s %15s %10.4f\n", strategy_name(r.strategy),
+                                          r.seconds_per_step, kb(mx[0]), kb(mx[1]), kb(mx[2]), kb(mx[0] + mx[1] + mx[2]), kb(mx[3]),
+                                          kb(mx[4]), kb(mx[5]), kb(total), with_commas(sent), r.losses.empty() ? 0.0 : r.losses.back()));
   }
-  absl::StrAppend(&out, "(memory: the largest per-rank peak of each ledger category; sent: bytes per rank per step)\n");
+  absl::StrAppend(&out, "(memory: the largest per-rank peak of each ledger category during a step; model state = param + grad + optim,\n"
+                        " what the ZeRO formulas cover; sum = sum of the category peaks; sent: bytes per rank per step, largest rank)\n");
   return out;
 }
 
