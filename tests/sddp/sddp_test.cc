@@ -317,3 +317,69 @@ TEST(ReduceFp16, HalvesGradientBytesAndStaysClose) {
 
 }  // namespace
 }  // namespace shardkit::sddp
+
+namespace shardkit::sddp {
+namespace {
+
+// Note [ready-order buckets]: after the first backward the buckets follow the observed ready order, so with
+// one parameter per bucket every reduction except the last-ready parameter's (GPT: the tied embedding, whose
+// gradient completes with the embedding lookup, the backward's last node) is issued from an earlier hook.
+TEST(ReadyOrder, BucketsAreRebuiltInObservedOrderAndOverlapEverythingButTheLastGradient) {
+  absl::Status st = comm::RunRanks(2, [](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(test_util::TinyConfig(), 1);
+    auto dp = DistributedDataParallel::create(model, env.group_ptr, {.reduce_buffer_size = 0});
+    if (!dp.ok()) return dp.status();
+    EXPECT_FALSE((*dp)->reducer().buckets_rebuilt());
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = test_util::Batch(step, env.rank * 12, 12);
+      model.zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      const ReductionStats& s = (*dp)->last_backward_stats();
+      EXPECT_TRUE((*dp)->reducer().buckets_rebuilt());
+      EXPECT_EQ(s.buckets, static_cast<std::int64_t>(model.parameters().size()));
+      EXPECT_EQ(s.grad_bytes, model.num_parameters() * 4);
+      if (step > 0) {
+        const std::int64_t wte = model.named_parameters()[0].second.numel() * 4;
+        EXPECT_EQ(model.named_parameters()[0].first, "wte.weight");
+        EXPECT_EQ(s.overlapped_bytes, s.grad_bytes - wte) << "step " << step;
+        // The last bucket launched is the tied embedding's.
+        EXPECT_EQ((*dp)->reducer().bucket_params((*dp)->num_buckets() - 1), std::vector<int>({0}));
+      }
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// Two Oss objects (two optimizers, each over half the model) behind one ShardedDataParallel.
+TEST(MultipleOptimizers, TwoOssEqualSingleRankTraining) {
+  const auto want = test_util::Reference(5);
+  for (const auto policy : {oss::PartitionPolicy::greedy, oss::PartitionPolicy::flat}) {
+    std::vector<std::vector<std::vector<float>>> got(3);
+    absl::Status st = comm::RunRanks(3, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(test_util::TinyConfig(), 1);
+      auto params = model.parameters();
+      const auto half = static_cast<std::ptrdiff_t>(params.size() / 2);
+      std::vector<Tensor> a(params.begin(), params.begin() + half), b(params.begin() + half, params.end());
+      auto oa = oss::Oss::create({{a, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr, {.policy = policy});
+      auto ob = oss::Oss::create({{b, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr, {.policy = policy});
+      if (!oa.ok() || !ob.ok()) return absl::InternalError("oss");
+      auto dp = ShardedDataParallel::create(model, {oa->get(), ob->get()}, env.group_ptr, {.reduce_buffer_size = 400});
+      if (!dp.ok()) return dp.status();
+      for (int step = 0; step < 5; ++step) {
+        auto [x, y] = test_util::Batch(step, env.rank * 8, 8);
+        (*dp)->zero_grad();
+        if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+        if (absl::Status s = (*oa)->step(); !s.ok()) return s;
+        if (absl::Status s = (*ob)->step(); !s.ok()) return s;
+      }
+      got[static_cast<std::size_t>(env.rank)] = test_util::Values(model);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    test_util::ExpectMatches(got, want, 2e-5);
+  }
+}
+
+}  // namespace
+}  // namespace shardkit::sddp
