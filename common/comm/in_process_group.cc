@@ -270,8 +270,13 @@ void InProcessGroup::data_phase(const CollectiveCall& call) {
     case CollectiveKind::send:
     case CollectiveKind::recv: return;
     case CollectiveKind::broadcast: {
-      if (me_ != call.root && call.input.numel() > 0) {
-        std::memcpy(g.desc[me_].in, g.desc[call.root].in, call.input.nbytes());
+      // Rank r copies slice r of the root's buffer into every other rank's buffer.
+      const std::int64_t N = call.input.numel();
+      const std::int64_t b = N * me_ / n, e = N * (me_ + 1) / n;
+      if (e == b) return;
+      const char* src = g.desc[call.root].in + b * es;
+      for (int s = 0; s < n; ++s) {
+        if (s != call.root) copy_bytes(g.desc[s].in + b * es, src, static_cast<std::size_t>(e - b) * es);
       }
       return;
     }
@@ -302,12 +307,14 @@ void InProcessGroup::data_phase(const CollectiveCall& call) {
       return;
     }
     case CollectiveKind::all_gather: {
+      // Rank r pushes its input into slice r of every rank's output (it owns slice r everywhere, like
+      // the reducing collectives: each rank reads its input once and writes n slices).
       const std::size_t bytes = call.input.nbytes();
       if (bytes == 0) return;
+      const char* src = g.desc[me_].in;
       for (int s = 0; s < n; ++s) {
-        char* dst = g.desc[me_].out + s * bytes;
-        const char* src = g.desc[s].in;
-        if (dst != src) std::memcpy(dst, src, bytes);
+        char* dst = g.desc[s].out + me_ * bytes;
+        if (dst != src) copy_bytes(dst, src, bytes);
       }
       return;
     }

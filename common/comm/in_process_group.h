@@ -15,8 +15,8 @@
 //                            elements, so the cost is one memcpy of the tensor per rank, run in parallel.
 //            reduce:         the same, writing only into the root's buffer.
 //            reduce_scatter: rank r reduces slice r of every rank's input into its output.
-//            all_gather:     rank r copies every rank's input into its output.
-//            broadcast:      every non-root copies the root's buffer.
+//            all_gather:     rank r copies its input into slice r of every rank's output.
+//            broadcast:      rank r copies slice r of the root's buffer into every other rank's buffer.
 //   leave: nobody returns (and so nobody touches its buffers again) until every rank finished reading.
 // Slices of a tensor of N elements: slice r = [N·r/n, N·(r+1)/n).
 // Send/recv: a send and its matching recv meet in a per-pair queue; whichever is issued second copies
