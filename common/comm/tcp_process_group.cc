@@ -1,6 +1,7 @@
 #include "common/comm/tcp_process_group.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -361,8 +362,7 @@ void TcpProcessGroup::comm_loop() {
       // The next call usually follows right after the caller saw the previous one complete: poll for it
       // briefly before sleeping (a condition-variable wake-up costs ~50 us here, DESIGN.md section 9).
       const absl::Time spin_end = absl::Now() + options_.spin;
-      while (queued_.load(std::memory_order_acquire) == 0 && absl::Now() < spin_end) {
-      }
+      while (queued_.load(std::memory_order_acquire) == 0 && absl::Now() < spin_end) sched_yield();
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping with nothing left
@@ -416,6 +416,7 @@ struct StreamRunner {
   absl::Time deadline;
   absl::Duration spin;
   std::string what;  // "all_reduce #3 (...) on rank 1"
+  std::vector<int> all_peers;  // fd per group rank (-1: self), for naming every closed peer
 
   std::size_t sent_bytes = 0, recv_bytes = 0, send_total = 0, recv_total = 0;
   // A local copy done while the sockets are busy (all_gather's own slice), finished before returning.
@@ -502,7 +503,12 @@ struct StreamRunner {
       const absl::Time now = absl::Now();
       if (now >= deadline) return timed_out(si < sends.size(), ri < recvs.size());
       if (spin_until == absl::InfiniteFuture()) spin_until = now + spin;
-      if (now < spin_until) continue;  // busy-poll a little before sleeping (DESIGN.md section 9)
+      if (now < spin_until) {
+        // Busy-poll a little before sleeping (DESIGN.md section 9); yield so that, when ranks outnumber
+        // cores, the rank we wait for gets the CPU.
+        sched_yield();
+        continue;
+      }
       pollfd p[2];
       nfds_t np = 0;
       const bool want_send = si < sends.size() && sends[si].after_recv < recv_done;
@@ -544,7 +550,39 @@ struct StreamRunner {
     return absl::UnavailableError(absl::StrCat(what, ": connection to rank ", peer, " lost while ", doing, " (",
                                                err == 0 ? "closed by the peer" : std::strerror(err), "; sent ",
                                                sent_bytes, " of ", send_total, " bytes, received ", recv_bytes, " of ",
-                                               recv_total, ")"));
+                                               recv_total, ")", closed_peers()));
+  }
+
+  // "; peers whose connections had closed: rank 0, rank 2": the neighbour that closed may only be echoing a failure
+  // elsewhere (it aborted), so every peer that hung up is named (a dead rank's connections all close).
+  // Waits up to 50 ms for the hang-ups to arrive: a dead process's sockets close one by one, and the echo
+  // of an abort can overtake them.
+  std::string closed_peers() const {
+    std::vector<pollfd> open;
+    std::vector<int> open_ranks, closed;
+    for (std::size_t i = 0; i < all_peers.size(); ++i) {
+      if (all_peers[i] < 0) continue;
+      open.push_back(pollfd{all_peers[i], POLLRDHUP, 0});
+      open_ranks.push_back(static_cast<int>(i));
+    }
+    const absl::Time until = absl::Now() + absl::Milliseconds(50);
+    while (!open.empty()) {
+      const std::int64_t ms = absl::ToInt64Milliseconds(until - absl::Now());
+      if (ms <= 0 || ::poll(open.data(), open.size(), static_cast<int>(ms)) <= 0) break;
+      for (std::size_t i = open.size(); i-- > 0;) {
+        if (open[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+          closed.push_back(open_ranks[i]);
+          open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
+          open_ranks.erase(open_ranks.begin() + static_cast<std::ptrdiff_t>(i));
+        } else {
+          open[i].revents = 0;
+        }
+      }
+    }
+    if (closed.empty()) return "";
+    std::sort(closed.begin(), closed.end());
+    return absl::StrCat("; peers whose connections had closed: ",
+                        absl::StrJoin(closed, ", ", [](std::string* out, int r) { absl::StrAppend(out, "rank ", r); }));
   }
 
   absl::Status timed_out(bool sending, bool receiving) const {
@@ -621,6 +659,7 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
   }
 
   StreamRunner runner;
+  for (const auto& p : peers_) runner.all_peers.push_back(p.valid() ? p.fd() : -1);
   runner.dtype = dtype;
   runner.kind = kind;
   runner.n = call.op.kind == ReduceKind::avg ? n : 0;

@@ -166,7 +166,7 @@ TEST(InitFromEnv, NamesTheMissingOrInvalidVariable) {
 }
 
 TEST(InitFromEnv, FailsCleanlyWithoutTheEnvironment) {
-  auto r = run_command({kWorker, "matrix"}, 30);
+  auto r = run_command({kWorker, "latency"}, 30);  // goes through init_from_env()
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.out, HasSubstr("INIT FAILED: INVALID_ARGUMENT: init_from_env: expected environment variable WORLD_SIZE"));
 }
