@@ -276,7 +276,7 @@ void InProcessGroup::data_phase(const CollectiveCall& call) {
       if (e == b) return;
       const char* src = g.desc[call.root].in + b * es;
       for (int s = 0; s < n; ++s) {
-        if (s != call.root) copy_bytes(g.desc[s].in + b * es, src, static_cast<std::size_t>(e - b) * es);
+        if (s != call.root) std::memcpy(g.desc[s].in + b * es, src, static_cast<std::size_t>(e - b) * es);
       }
       return;
     }
@@ -314,7 +314,7 @@ void InProcessGroup::data_phase(const CollectiveCall& call) {
       const char* src = g.desc[me_].in;
       for (int s = 0; s < n; ++s) {
         char* dst = g.desc[s].out + me_ * bytes;
-        if (dst != src) copy_bytes(dst, src, bytes);
+        if (dst != src) std::memcpy(dst, src, bytes);
       }
       return;
     }

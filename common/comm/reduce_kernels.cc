@@ -213,32 +213,6 @@ void reduce_i64(const ReduceOp& op, absl::Span<const void* const> srcs, absl::Sp
 
 }  // namespace
 
-// Note [collective copies]: glibc's memcpy picks `rep movsb` (or non-temporal stores) for copies of many
-// MiB; on this VM that ran the in-process all_gather of 64 MiB at ~60% of the speed of the equivalent
-// vector-loop traffic in all_reduce. A plain AVX-512 loop is used above 256 KiB.
-void copy_bytes(void* dst, const void* src, std::size_t bytes) {
-#if defined(__AVX512F__)
-  if (bytes >= (std::size_t{256} << 10)) {
-    auto* d = static_cast<char*>(dst);
-    const auto* s = static_cast<const char*>(src);
-    std::size_t i = 0;
-    for (; i + 256 <= bytes; i += 256) {
-      const __m512i a = _mm512_loadu_si512(s + i);
-      const __m512i b = _mm512_loadu_si512(s + i + 64);
-      const __m512i c = _mm512_loadu_si512(s + i + 128);
-      const __m512i e = _mm512_loadu_si512(s + i + 192);
-      _mm512_storeu_si512(d + i, a);
-      _mm512_storeu_si512(d + i + 64, b);
-      _mm512_storeu_si512(d + i + 128, c);
-      _mm512_storeu_si512(d + i + 192, e);
-    }
-    if (i < bytes) std::memcpy(d + i, s + i, bytes - i);
-    return;
-  }
-#endif
-  std::memcpy(dst, src, bytes);
-}
-
 ReduceScratch::ReduceScratch(std::int64_t chunk_bytes) : chunk_elements(std::max<std::int64_t>(1, chunk_bytes / 4)) {}
 
 void reduce_into(DType dtype, const ReduceOp& op, absl::Span<const void* const> srcs, absl::Span<void* const> dsts,

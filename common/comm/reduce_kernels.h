@@ -31,8 +31,4 @@ struct ReduceScratch {
 void reduce_into(DType dtype, const ReduceOp& op, absl::Span<const void* const> srcs, absl::Span<void* const> dsts,
                  std::int64_t count, ReduceScratch& scratch);
 
-// memcpy for the collectives' large copies (all_gather, broadcast): plain 64-byte vector loads and stores
-// for large sizes, see Note [collective copies] in reduce_kernels.cc. Regions must not overlap.
-void copy_bytes(void* dst, const void* src, std::size_t bytes);
-
 }  // namespace shardkit::comm
