@@ -383,3 +383,29 @@ TEST(MultipleOptimizers, TwoOssEqualSingleRankTraining) {
 
 }  // namespace
 }  // namespace shardkit::sddp
+
+namespace shardkit::sddp {
+namespace {
+
+// A rank that leaves before backward: the other ranks' gradient reductions fail (not hang), and backward
+// reports it as a Status naming the departed rank.
+TEST(Failure, ARankThatLeavesFailsTheOthersBackwardWithAStatus) {
+  absl::Status origin = comm::RunRanks(3, [](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(test_util::TinyConfig(), 1);
+    auto oss = oss::Oss::create({{model.parameters(), optim::AdamW::default_hyper()}}, optim::AdamW::factory(),
+                                env.group_ptr);
+    if (!oss.ok()) return oss.status();
+    auto dp = ShardedDataParallel::create(model, {oss->get()}, env.group_ptr, {.reduce_buffer_size = 500});
+    if (!dp.ok()) return dp.status();
+    if (env.rank == 1) return absl::OkStatus();  // leaves
+    auto [x, y] = test_util::Batch(0, env.rank * 8, 8);
+    absl::Status s = autograd::try_backward(model.loss(x, y));
+    EXPECT_FALSE(s.ok());
+    EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("rank 1"));
+    return s;
+  });
+  EXPECT_FALSE(origin.ok());
+}
+
+}  // namespace
+}  // namespace shardkit::sddp

@@ -10,6 +10,7 @@
 #include "common/autograd/engine.h"
 #include "common/autograd/ops.h"
 #include "common/nn/gpt.h"
+#include "common/tensor/rank_context.h"
 #include "common/optim/adam.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
