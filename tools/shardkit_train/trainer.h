@@ -20,7 +20,9 @@
 // stored parameters stay fp32 (the autograd ops are fp32-only), so the memory formulas are the fp32 ones.
 //
 // Measurements, per rank: per-category peak bytes of the ledger over the training steps (peaks restart
-// at each step; checkpoint work between steps is not counted), bytes sent per step from the
+// at each step; checkpoint work between steps is not counted, and only steps up to the first checkpoint
+// count, because Oss keeps the consolidated full state on rank 0 after consolidate_state_dict()), bytes
+// sent per step from the
 // ProcessGroup's counters (only the step's own collectives: the loss average for display is excluded).
 #pragma once
 
