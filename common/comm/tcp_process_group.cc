@@ -1,6 +1,7 @@
 #include "common/comm/tcp_process_group.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/socket.h>
 
@@ -180,7 +181,10 @@ absl::StatusOr<std::shared_ptr<TcpProcessGroup>> TcpProcessGroup::create(std::sh
   for (int i = 0; i < size; ++i) global[static_cast<std::size_t>(i)] = i;
   std::shared_ptr<TcpProcessGroup> pg(new TcpProcessGroup(std::move(store), rank, size, std::move(global), options));
   if (auto st = pg->connect_mesh(absl::Now() + options.connect_timeout); !st.ok()) return st;
-  pg->thread_ = std::thread([p = pg.get()] { p->comm_loop(); });
+  pg->thread_ = std::thread([p = pg.get()] {
+    pthread_setname_np(pthread_self(), "sk-tcp-comm");
+    p->comm_loop();
+  });
   return pg;
 }
 
@@ -326,6 +330,7 @@ std::shared_ptr<Work> TcpProcessGroup::run(CollectiveCall call) {
   if (call.input.defined() && !call.input.device().is_cpu()) {
     auto st = absl::InvalidArgumentError(absl::StrCat(call.describe(), ": the tcp backend expected CPU tensors, found ",
                                                       call.input.describe()));
+    abort(st);  // the other ranks would otherwise wait for this call until their deadline
     return make_completed_work(st);
   }
   std::weak_ptr<ProcessGroup> weak = weak_from_this();
@@ -818,7 +823,10 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> TcpProcessGroup::make_subgroup(std
   std::shared_ptr<TcpProcessGroup> pg(
       new TcpProcessGroup(store_, sub_rank, static_cast<int>(members.size()), std::move(global), o));
   if (auto st = pg->connect_mesh(deadline); !st.ok()) return st;
-  pg->thread_ = std::thread([p = pg.get()] { p->comm_loop(); });
+  pg->thread_ = std::thread([p = pg.get()] {
+    pthread_setname_np(pthread_self(), "sk-tcp-comm");
+    p->comm_loop();
+  });
   return std::shared_ptr<ProcessGroup>(std::move(pg));
 }
 
