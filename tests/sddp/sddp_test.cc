@@ -409,3 +409,56 @@ TEST(Failure, ARankThatLeavesFailsTheOthersBackwardWithAStatus) {
 
 }  // namespace
 }  // namespace shardkit::sddp
+
+namespace shardkit::sddp {
+namespace {
+
+// Two heads whose backward order depends on the order the forward runs them.
+class TwoHeads : public nn::Module {
+ public:
+  explicit TwoHeads(Generator& gen) : Module("TwoHeads") {
+    a = register_module("a", std::make_shared<nn::Linear>(4, 3, gen));
+    b = register_module("b", std::make_shared<nn::Linear>(4, 5, gen));
+  }
+  std::shared_ptr<nn::Linear> a, b;
+};
+
+// Rank 1 runs the heads in the other order, so its gradients become ready in another order than rank
+// 0's. The buckets are rebuilt from rank 0's order on every rank (broadcast), so the collectives still
+// match (mismatched ones would fail the group) and the ranks train identically.
+TEST(ReadyOrder, RanksFollowRankZerosOrderWhenTheirOwnDiffers) {
+  std::vector<std::vector<int>> first_bucket(2);
+  std::vector<std::vector<std::vector<float>>> got(2);
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    Generator gen(5);
+    TwoHeads model(gen);
+    auto dp = DistributedDataParallel::create(model, env.group_ptr, {.reduce_buffer_size = 0});
+    if (!dp.ok()) return dp.status();
+    auto opt = optim::Sgd::factory({.lr = 0.1})({{model.parameters(), {.lr = 0.1}}});
+    Generator data(9, static_cast<std::uint64_t>(env.rank));
+    for (int step = 0; step < 3; ++step) {
+      (*dp)->zero_grad();
+      Tensor x = Tensor::uniform({2, 4}, data, -1, 1);
+      Tensor la, lb;
+      if (env.rank == 0) {  // backward runs the later-created head first
+        la = autograd::sum((*model.a)(x));
+        lb = autograd::sum((*model.b)(x));
+      } else {
+        lb = autograd::sum((*model.b)(x));
+        la = autograd::sum((*model.a)(x));
+      }
+      Tensor loss = autograd::add(la, lb);
+      if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
+      (*opt)->step();
+    }
+    first_bucket[static_cast<std::size_t>(env.rank)] = (*dp)->reducer().bucket_params(0);
+    got[static_cast<std::size_t>(env.rank)] = test_util::Values(model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(first_bucket[0], first_bucket[1]);
+  EXPECT_EQ(got[0], got[1]);
+}
+
+}  // namespace
+}  // namespace shardkit::sddp
