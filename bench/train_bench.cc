@@ -2,12 +2,18 @@
 // sharded strategy against the DDP baseline, measured interleaved in the same run so both see the same
 // machine state.
 //
-//   build/bench/train_bench [--benchmark_filter=oss]
+//   build/bench/train_bench [--benchmark_filter=sddp]
 //
-// Each benchmark iteration runs one DDP step (all_reduce of every gradient, then a full AdamW step on every
-// rank) and one step of the strategy under test (same model, same data) on every rank. The reported time is
-// the strategy's step (rank 0's wall time; every rank is synchronised by the collectives); counters:
-//   vs_ddp              strategy step time / DDP step time (goal for OSS: <= 1.05)
+// Each benchmark iteration runs one DDP step (sddp::DistributedDataParallel: bucketed all_reduce during
+// backward, then a full AdamW step on every rank) and one step of the strategy under test (same model, same
+// data) on every rank:
+//   oss_greedy / oss_flat     DistributedDataParallel + oss::Oss (ZeRO-1)
+//   sddp_greedy / sddp_flat   ShardedDataParallel + oss::Oss (ZeRO-2: reduce to owner / reduce-scatter)
+// The reported time is the strategy's step (rank 0's wall time; every rank is synchronised by the
+// collectives); counters:
+//   vs_ddp              strategy step time / DDP step time (goals: OSS <= 1.05, ShardedDDP <= 1.0)
+//   overlap_frac        share of gradient bytes whose reduction was issued before the backward's last
+//                       gradient was ready (sddp ReductionStats; goal >= 0.7)
 //   ddp_step_ms         the DDP step
 //   <category>_peak_B   rank 0's peak bytes per ledger category during the strategy's steps
 //   ddp_optimizer_state_peak_B   the same for DDP, to compare
@@ -22,12 +28,16 @@
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
 #include "oss/oss.h"
+#include "sddp/data_parallel.h"
 
 namespace shardkit {
 namespace {
 
 constexpr std::int64_t kBatchPerRank = 2;
 constexpr std::int64_t kSeq = 64;
+// 1 Mi elements (4 MiB) per gradient bucket, for every wrapper: the 8 Mi-element default would make only two
+// buckets of this model, leaving little to overlap with the backward.
+const sddp::DataParallelOptions kWrapperOptions{.reduce_buffer_size = 1 << 20};
 
 std::pair<Tensor, Tensor> Batch(const nn::GPTConfig& c, int rank, int step) {
   Generator gen(5, static_cast<std::uint64_t>(step * 64 + rank));
@@ -37,31 +47,27 @@ std::pair<Tensor, Tensor> Batch(const nn::GPTConfig& c, int rank, int step) {
   return {Tensor::from_int64(x, {kBatchPerRank, kSeq}), Tensor::from_int64(y, {kBatchPerRank, kSeq})};
 }
 
-// Forward, backward, and the gradient average every strategy here shares (one all_reduce per gradient,
-// issued as the list is walked and waited at the end).
-absl::Status ForwardBackwardAverage(nn::GPT& model, comm::ProcessGroup& pg, int rank, int step) {
+enum class Strategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat };
+
+// Forward and backward through a data-parallel wrapper (which reduces the gradients during backward).
+absl::Status ForwardBackward(nn::GPT& model, sddp::DataParallel& dp, int rank, int step) {
   auto [x, y] = Batch(model.config(), rank, step);
-  for (const Tensor& p : model.parameters()) p.set_grad(Tensor());
-  {
-    MemoryCategoryScope activations(MemoryCategory::activation);
-    autograd::backward(model.loss(x, y));
-  }
-  std::vector<std::shared_ptr<comm::Work>> works;
-  for (const Tensor& p : model.parameters()) {
-    if (p.grad().defined()) works.push_back(pg.all_reduce(p.grad(), {.op = comm::ReduceOp::avg()}));
-  }
-  for (auto& w : works) {
-    if (absl::Status s = w->wait(); !s.ok()) return s;
-  }
-  return absl::OkStatus();
+  dp.zero_grad();
+  MemoryCategoryScope activations(MemoryCategory::activation);
+  return autograd::try_backward(model.loss(x, y));
 }
 
-void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy policy) {
+void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
+  const bool sharded_grads = strategy == Strategy::sddp_greedy || strategy == Strategy::sddp_flat;
+  const oss::PartitionPolicy policy = strategy == Strategy::oss_greedy || strategy == Strategy::sddp_greedy
+                                          ? oss::PartitionPolicy::greedy
+                                          : oss::PartitionPolicy::flat;
   const nn::GPTConfig config = *nn::GPTConfig::named("gpt-10m");
   double strategy_seconds = 0, ddp_seconds = 0;
   std::int64_t iterations = 0;
   MemorySnapshot strategy_mem, ddp_mem;
   std::int64_t sent_per_step = 0, psi = 0;
+  double overlap_sum = 0;
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     // Two ledgers on this rank's thread: one per strategy, so each one's peaks are its own.
     RankContext ddp_ctx{env.rank, world, std::make_shared<MemoryTracker>(), Generator(1)};
@@ -69,11 +75,15 @@ void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy polic
     std::unique_ptr<nn::GPT> ddp_model, oss_model;
     std::unique_ptr<optim::Optimizer> ddp_opt;
     std::unique_ptr<oss::Oss> oss_opt;
+    std::unique_ptr<sddp::DataParallel> ddp_wrap, oss_wrap;
     {
       RankContextScope scope(ddp_ctx);
       MemoryCategoryScope params(MemoryCategory::parameter);
       ddp_model = std::make_unique<nn::GPT>(config, 1);
       ddp_opt = std::move(*optim::AdamW::factory()({{ddp_model->parameters(), optim::AdamW::default_hyper()}}));
+      auto w = sddp::DistributedDataParallel::create(*ddp_model, env.group_ptr, kWrapperOptions);
+      if (!w.ok()) return w.status();
+      ddp_wrap = std::move(*w);
     }
     {
       RankContextScope scope(oss_ctx);
@@ -83,6 +93,15 @@ void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy polic
                                 optim::AdamW::factory(), env.group_ptr, {.policy = policy});
       if (!o.ok()) return o.status();
       oss_opt = std::move(*o);
+      if (sharded_grads) {
+        auto w = sddp::ShardedDataParallel::create(*oss_model, {oss_opt.get()}, env.group_ptr, kWrapperOptions);
+        if (!w.ok()) return w.status();
+        oss_wrap = std::move(*w);
+      } else {
+        auto w = sddp::DistributedDataParallel::create(*oss_model, env.group_ptr, kWrapperOptions);
+        if (!w.ok()) return w.status();
+        oss_wrap = std::move(*w);
+      }
     }
     psi = oss_model->num_parameters();
     // Rank 0 drives the benchmark loop; a broadcast flag tells the others whether another step follows.
@@ -97,7 +116,7 @@ void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy polic
       auto t0 = clock::now();
       {
         RankContextScope scope(ddp_ctx);
-        if (absl::Status s = ForwardBackwardAverage(*ddp_model, env.group, env.rank, step); !s.ok()) return s;
+        if (absl::Status s = ForwardBackward(*ddp_model, *ddp_wrap, env.rank, step); !s.ok()) return s;
         MemoryCategoryScope cat(MemoryCategory::optimizer_state);
         ddp_opt->step();
       }
@@ -106,7 +125,7 @@ void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy polic
       const std::int64_t sent_before = env.group.counters().total_sent();
       {
         RankContextScope scope(oss_ctx);
-        if (absl::Status s = ForwardBackwardAverage(*oss_model, env.group, env.rank, step); !s.ok()) return s;
+        if (absl::Status s = ForwardBackward(*oss_model, *oss_wrap, env.rank, step); !s.ok()) return s;
         if (absl::Status s = oss_opt->step(); !s.ok()) return s;
       }
       if (absl::Status s = env.group.barrier()->wait(); !s.ok()) return s;
@@ -115,6 +134,7 @@ void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy polic
         ddp_seconds += std::chrono::duration<double>(t1 - t0).count();
         strategy_seconds += std::chrono::duration<double>(t2 - t1).count();
         sent_per_step = env.group.counters().total_sent() - sent_before;
+        overlap_sum += oss_wrap->last_backward_stats().overlap_frac();
         state.SetIterationTime(std::chrono::duration<double>(t2 - t1).count());
       }
       return absl::OkStatus();
@@ -122,7 +142,7 @@ void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy polic
     // One warm-up round (first-step state allocation) outside the measurement.
     if (absl::Status s = one_round(0); !s.ok()) return s;
     if (env.rank == 0) {
-      ddp_seconds = strategy_seconds = 0;
+      ddp_seconds = strategy_seconds = overlap_sum = 0;
       int step = 1;
       for (auto _ : state) {
         if (auto m = more(true); !m.ok()) return m.status();
@@ -155,16 +175,22 @@ void BM_TrainStep(benchmark::State& state, int world, oss::PartitionPolicy polic
   }
   state.counters["ddp_optimizer_state_peak_B"] = static_cast<double>(ddp_mem.peak_of(MemoryCategory::optimizer_state));
   state.counters["optimizer_state_formula_B"] = 8.0 * static_cast<double>(psi) / world;
+  state.counters["overlap_frac"] = overlap_sum / n;
+  // Gradient bytes after backward: DDP-class 4Ψ; ShardedDDP 4Ψ/N (DESIGN.md section 6).
+  state.counters["gradient_formula_B"] = 4.0 * static_cast<double>(psi) / (sharded_grads ? world : 1);
   state.counters["sent_B_per_rank"] = static_cast<double>(sent_per_step);
   state.counters["params"] = static_cast<double>(psi);
 }
 
 void RegisterAll() {
+  const std::pair<Strategy, const char*> strategies[] = {{Strategy::oss_greedy, "oss_greedy"},
+                                                         {Strategy::oss_flat, "oss_flat"},
+                                                         {Strategy::sddp_greedy, "sddp_greedy"},
+                                                         {Strategy::sddp_flat, "sddp_flat"}};
   for (int world : {2, 4}) {
-    for (auto policy : {oss::PartitionPolicy::greedy, oss::PartitionPolicy::flat}) {
-      const std::string name = std::string("oss_") + (policy == oss::PartitionPolicy::greedy ? "greedy" : "flat") +
-                               "/gpt-10m/n" + std::to_string(world);
-      benchmark::RegisterBenchmark(name.c_str(), BM_TrainStep, world, policy)
+    for (const auto& [strategy, label] : strategies) {
+      const std::string name = std::string(label) + "/gpt-10m/n" + std::to_string(world);
+      benchmark::RegisterBenchmark(name.c_str(), BM_TrainStep, world, strategy)
           ->UseManualTime()
           ->Iterations(3)
           ->Unit(benchmark::kMillisecond);
