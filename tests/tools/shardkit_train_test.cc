@@ -188,6 +188,25 @@ TEST(ShardkitTrain, MemoryTableMatchesZeroFormulas) {
   }
 }
 
+// --precision bf16 sends gradients in bf16: DDP's bytes per step are half of fp32's.
+TEST(ShardkitTrain, Bf16HalvesDdpGradientTraffic) {
+  auto sent = [](const std::string& precision) {
+    const auto r = Train({"--strategy", "ddp", "--ranks", "2", "--steps", "2", "--model", "tiny", "--sample", "0",
+                          "--precision", precision});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    std::string v = Field(r.out, "ProcessGroup counters): ");
+    v = v.substr(0, v.find(' '));  // rank 0's figure, e.g. "138,752,"
+    v.erase(std::remove(v.begin(), v.end(), ','), v.end());
+    return std::stoll(v);
+  };
+  const long long fp32 = sent("fp32"), bf16 = sent("bf16");
+  // all_reduce of 4Psi bytes at N = 2 sends 2(N-1)/N x 4Psi; sddp's DDP adds a one-time broadcast of the
+  // observed gradient-ready order (8 bytes per parameter tensor) after its first backward.
+  EXPECT_GE(fp32, 34688 * 4);
+  EXPECT_LE(fp32, 34688 * 4 + 1024);
+  EXPECT_EQ(bf16, 34688 * 2);
+}
+
 TEST(ShardkitTrain, CompareWritesTableAndSvg) {
   const std::string dir = TempDir("compare");
   fs::create_directories(dir);

@@ -245,7 +245,10 @@ absl::Status write_compare_svg(const std::string& path, const std::vector<RunRes
       absl::StrAppend(&pts, absl::StrFormat("%.1f,%.1f ", px, py));
     }
     const char* color = kLineColors[k % 4];
-    absl::StrAppend(&s, absl::StrFormat("<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" points=\"%s\"/>\n", color, pts));
+    // Equal runs give equal curves: dashes keep every strategy visible where they overlap.
+    static const char* kDash[] = {"none", "7,4", "2,4", "10,3,2,3"};
+    absl::StrAppend(&s, absl::StrFormat("<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.5\" stroke-dasharray=\"%s\" points=\"%s\"/>\n",
+                                        color, kDash[k % 4], pts));
     absl::StrAppend(&s, absl::StrFormat("<line x1=\"%.0f\" x2=\"%.0f\" y1=\"%.0f\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"3\"/><text x=\"%.0f\" y=\"%.0f\">%s</text>\n",
                                         rx0 + 90.0 * k, rx0 + 90.0 * k + 20, bottom + 40, bottom + 40, color, rx0 + 90.0 * k + 24,
                                         bottom + 44, strategy_name(r.strategy)));
