@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -24,6 +25,9 @@ absl::StatusOr<Corpus> load_corpus(const std::string& path, std::int64_t context
     c.bytes = std::string(embedded_corpus());
     c.source = "embedded";
   } else {
+    if (std::error_code ec; std::filesystem::is_directory(path, ec)) {
+      return absl::InvalidArgumentError(absl::StrCat("expected --data to name a file, found the directory '", path, "'"));
+    }
     std::ifstream in(path, std::ios::binary);
     if (!in) {
       return absl::NotFoundError(absl::StrCat("cannot read data file '", path, "': ", std::strerror(errno)));
