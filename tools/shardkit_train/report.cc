@@ -37,15 +37,12 @@ std::string expected_comm(const Options& o, const RunResult& r) {
   switch (r.strategy) {
     case Strategy::ddp:
       return absl::StrCat("all_reduce of gradients 2(N-1)/N x ", grad_bytes, "Psi = ", with_commas(ar));
-    case Strategy::oss: {
-      const std::int64_t ag = (n - 1) * ((psi + n - 1) / n) * grad_bytes;
-      return absl::StrCat("all_reduce 2(N-1)/N x ", grad_bytes, "Psi + all_gather of parameters (N-1) x ", grad_bytes,
-                          "Psi/N = ", with_commas(ar + ag));
-    }
+    case Strategy::oss:
     case Strategy::sddp:
-      return absl::StrCat("reduce_scatter of gradients (N-1) x 4Psi/N + all_gather of parameters (N-1) x ",
-                          grad_bytes, "Psi/N = ", with_commas((n - 1) * ((psi + n - 1) / n) * (4 + grad_bytes)),
-                          " (plus padding)");
+      return absl::StrCat("reduce_scatter of gradients (N-1) x ", grad_bytes,
+                          "Psi/N + all_gather of parameters (N-1) x ", o.precision == Precision::bf16 ? 2 : 4,
+                          "Psi/N = ", with_commas((n - 1) * ((psi + n - 1) / n) * (grad_bytes + (o.precision == Precision::bf16 ? 2 : 4))),
+                          " (with padding to N x ceil(Psi/N))");
   }
   return "";
 }

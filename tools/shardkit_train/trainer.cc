@@ -138,10 +138,6 @@ class OssRunner : public Runner {
       auto dp = sddp::ShardedDataParallel::create(model, {r->opt_.get()}, pg);
       if (!dp.ok()) return dp.status();
       r->dp_ = std::move(*dp);
-    } else if (o.precision == Precision::fp32) {
-      auto dp = sddp::DistributedDataParallel::create(model, pg);
-      if (!dp.ok()) return dp.status();
-      r->dp_ = std::move(*dp);
     }
 #else
     if (sharded) return absl::UnimplementedError("strategy sddp is not built into this shardkit-train");
@@ -153,7 +149,7 @@ class OssRunner : public Runner {
     if (dp_) return autograd::try_backward(loss);  // the wrapper reduces buckets during backward
 #endif
     autograd::backward(loss);
-    return all_reduce_grads(*pg_, params_, precision_);
+    return reduce_scatter_grads();
   }
   absl::Status step() override { return opt_->step(); }
   void zero_grad() override {
@@ -179,6 +175,33 @@ class OssRunner : public Runner {
   std::shared_ptr<comm::ProcessGroup> pg_;
   std::vector<Tensor> params_;
   Precision precision_;
+  // ZeRO-1's gradient reduction (Note [strategies in shardkit-train]): the full gradients are copied into
+  // one flat buffer laid out as the flat partition (padded to world x shard_size), reduce-scattered
+  // (averaged) so this rank receives exactly its range, and each owned piece reads its gradient from there
+  // (Oss::set_piece_grad). Sends (N-1)/N of the gradient bytes, against 2(N-1)/N for an all_reduce.
+  absl::Status reduce_scatter_grads() {
+    const oss::FlatGroup& g = opt_->flat_partition().groups.at(0);
+    const int n = pg_->size(), r = pg_->rank();
+    const DType dt = precision_ == Precision::bf16 ? DType::bf16 : DType::f32;
+    Tensor flat = Tensor::zeros({g.shard_size * n}, TensorOptions{}.with_dtype(dt).with_category(MemoryCategory::communication_buffer));
+    std::vector<std::int64_t> start;
+    std::int64_t off = 0;
+    for (const Tensor& p : params_) {
+      start.push_back(off);
+      if (p.grad().defined()) flat.view(off, {p.numel()}).copy_(p.grad().flatten());
+      off += p.numel();
+    }
+    Tensor mine = flat.view(r * g.shard_size, {g.shard_size});  // in place: slice r of the input
+    SKT_RETURN_IF_ERROR(pg_->reduce_scatter(mine, flat, {.op = comm::ReduceOp::avg(), .tag = "grads"})->wait());
+    const auto& pieces = opt_->owned_pieces();
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      const oss::OwnedPiece& piece = pieces[k];
+      const std::int64_t at = start.at(static_cast<std::size_t>(piece.param)) + piece.offset - r * g.shard_size;
+      opt_->set_piece_grad(k, mine.view(at, {piece.length}));
+    }
+    return absl::OkStatus();
+  }
+
   std::unique_ptr<oss::Oss> opt_;
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
   std::unique_ptr<sddp::DataParallel> dp_;  // declared after opt_: destroyed first (it refers to opt_)

@@ -9,14 +9,17 @@
 // Strategies (Note [strategies in shardkit-train]):
 //   ddp:  full AdamW on every rank; sddp::DistributedDataParallel all-reduces gradient buckets during
 //         backward (ZeRO-0: 16 bytes of model state per parameter on every rank).
-//   oss:  the same DDP gradient all-reduce, then oss::Oss (flat partition) steps each rank's 1/N share of
-//         the optimizer state and all-gathers the updated parameters (fairscale's OSS + DDP, ZeRO-1).
+//   oss:  ZeRO-1: full gradients on every rank, copied into one flat buffer and reduce-scattered so each
+//         rank receives the average of the range it owns in the flat partition; oss::Oss steps that 1/N
+//         share of the optimizer state and all-gathers the updated parameters (2Psi elements sent per
+//         step, as DDP; the flat buffer costs 4Psi bytes of communication_buffer).
 //   sddp: sddp::ShardedDataParallel over the same Oss: gradient buckets are reduce-scattered into the owned
 //         slices during backward and full-size gradients are released (ZeRO-2).
 // Without the sddp layer (an older tree) ddp / oss fall back to one all_reduce per gradient after
 // backward, and sddp is not offered.
-// --precision bf16: gradients are all-reduced in bf16 (one all_reduce per gradient after backward: cast,
-// reduce, cast back; sddp keeps its fp32 reduce-scatter) and OSS sends parameters in bf16. Compute and the
+// --precision bf16: gradients are communicated in bf16 (ddp: one all_reduce per gradient after backward,
+// cast, reduce, cast back; oss: a bf16 flat buffer; sddp keeps its fp32 reduce-scatter) and OSS sends
+// parameters in bf16. Compute and the
 // stored parameters stay fp32 (the autograd ops are fp32-only), so the memory formulas are the fp32 ones.
 //
 // Measurements, per rank: per-category peak bytes of the ledger over the training steps (peaks restart
