@@ -127,9 +127,10 @@ class Oss {
   // Gathers the full optimizer state on `to_rank` (point to point, one rank's shard at a time: only
   // to_rank ever holds the full state). Collective.
   absl::Status consolidate_state_dict(int to_rank = 0);
-  // The consolidated state (full, global indices), on the rank that received it; FailedPrecondition
-  // elsewhere or before consolidate_state_dict().
-  absl::StatusOr<optim::OptimizerStateDict> state_dict() const;
+  // Hands over the consolidated state (full, global indices) on the rank that received it, and drops this
+  // rank's copy, so the full state is not kept alive between checkpoints. FailedPrecondition elsewhere,
+  // before consolidate_state_dict(), or when it was already handed over.
+  absl::StatusOr<optim::OptimizerStateDict> state_dict();
   // This rank's own part, with partition metadata. Not a collective.
   ShardedStateDict sharded_state_dict() const;
   // Loads a full state dict (from state_dict() or merge_sharded_state_dicts(), saved at any world size):

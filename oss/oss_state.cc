@@ -233,14 +233,16 @@ absl::Status Oss::consolidate_state_dict(int to_rank) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<optim::OptimizerStateDict> Oss::state_dict() const {
+absl::StatusOr<optim::OptimizerStateDict> Oss::state_dict() {
   if (!consolidated_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "Oss::state_dict on rank ", pg_->rank(),
         ": expected a consolidated state on this rank, found none (call consolidate_state_dict(to_rank) on "
         "every rank first, and read it on to_rank)"));
   }
-  return consolidated_->clone();
+  optim::OptimizerStateDict out = std::move(*consolidated_);
+  consolidated_.reset();
+  return out;
 }
 
 absl::Status Oss::load_state_dict(const optim::OptimizerStateDict& full) {

@@ -196,3 +196,32 @@ TEST(OssLoadTest, BadStateDictsAreRejectedEverywhereAndChangeNothing) {
 
 }  // namespace
 }  // namespace shardkit::oss
+
+namespace shardkit::oss {
+namespace {
+
+// The consolidated state is handed over once; the rank does not keep a full copy afterwards.
+TEST(OssStateDictTest, ConsolidatedStateIsHandedOverOnce) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    std::vector<Tensor> params = MakeParams(InitialValues());
+    auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr);
+    if (!oss.ok()) return oss.status();
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].set_grad(Grad(params[i], 0, static_cast<int>(i)));
+    if (absl::Status s = (*oss)->step(); !s.ok()) return s;
+    const std::int64_t before = env.context.memory->total_current();
+    if (absl::Status s = (*oss)->consolidate_state_dict(1); !s.ok()) return s;
+    if (env.rank == 1) {
+      absl::StatusOr<optim::OptimizerStateDict> sd = (*oss)->state_dict();
+      EXPECT_TRUE(sd.ok()) << sd.status();
+      EXPECT_EQ(sd->state.size(), kShapes.size());
+      sd = absl::StatusOr<optim::OptimizerStateDict>(absl::UnknownError("dropped"));  // release it
+      EXPECT_EQ((*oss)->state_dict().status().code(), absl::StatusCode::kFailedPrecondition);
+    }
+    EXPECT_EQ(env.context.memory->total_current(), before) << "a full copy of the state is still held";
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+}  // namespace
+}  // namespace shardkit::oss
