@@ -217,6 +217,8 @@ TEST(OssStateDictTest, ConsolidatedStateIsHandedOverOnce) {
       sd = absl::StatusOr<optim::OptimizerStateDict>(absl::UnknownError("dropped"));  // release it
       EXPECT_EQ((*oss)->state_dict().status().code(), absl::StatusCode::kFailedPrecondition);
     }
+    // The barrier makes sure the receiver is done with the sender's buffers (a send completes when queued).
+    if (absl::Status s = env.group.barrier()->wait(); !s.ok()) return s;
     EXPECT_EQ(env.context.memory->total_current(), before) << "a full copy of the state is still held";
     return absl::OkStatus();
   });
