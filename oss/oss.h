@@ -45,9 +45,12 @@ enum class PartitionPolicy { greedy, flat };
 
 struct OssOptions {
   PartitionPolicy policy = PartitionPolicy::greedy;
-  // Parameters are sent in buckets of at most this many bytes (greedy: small parameters of one owner are
-  // packed together, a larger parameter goes alone and in place; flat: all_gather output per bucket).
+  // Parameters are sent in buckets of at most this many bytes (greedy: parameters smaller than
+  // pack_below_bytes of one owner are packed together; flat: all_gather output per bucket).
   std::int64_t bucket_bytes = 16 << 20;
+  // Greedy: a parameter of at least this many bytes is broadcast alone and in place (no packing copies);
+  // smaller ones share buckets, to save per-call latency. See Note [OSS parameter buckets].
+  std::int64_t pack_below_bytes = 64 << 10;
   // Send parameters in this dtype (e.g. bf16 for f32 parameters). Every rank, the owner included, then
   // holds the parameter rounded to this dtype, so all ranks keep identical models. Empty: the parameter's.
   std::optional<DType> broadcast_dtype = std::nullopt;
