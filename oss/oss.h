@@ -19,8 +19,10 @@
 // parameters must be the same on every rank; it is re-read at each step (refresh_trainable() does it
 // explicitly, e.g. right after freezing).
 //
-// Errors (absl::Status): a failed collective leaves parameters on the other ranks as they were before the
-// step's broadcast; the group is then aborted (see common/comm/process_group.h).
+// Errors (absl::Status): when a collective of step() fails (a rank died, a deadline passed), the group is
+// aborted (common/comm/process_group.h) and step() returns its Status naming the rank and the operation. The
+// model is then NOT consistent across ranks: owners have stepped their share and only some buckets have
+// arrived. Recover from the last checkpoint (consolidate_state_dict / load_state_dict) on a new group.
 // Thread-safety: none; one Oss belongs to one rank.
 #pragma once
 
