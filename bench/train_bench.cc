@@ -141,6 +141,8 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
     };
     // One warm-up round (first-step state allocation) outside the measurement.
     if (absl::Status s = one_round(0, false); !s.ok()) return s;
+    ddp_ctx.memory->reset_peaks();  // report steady-state steps, not construction
+    oss_ctx.memory->reset_peaks();
     if (env.rank == 0) {
       int step = 1;
       for (auto _ : state) {

@@ -73,7 +73,7 @@ void Oss::partition() {
     next += static_cast<std::int64_t>(s.size());
   }
   // Earlier groups keep their owners: greedy visits groups in order, and flat splits each group alone.
-  const std::size_t done_groups = local_.empty() ? 0 : static_cast<std::size_t>(local_.back().group) + 1;
+  const std::size_t done_groups = partitioned_groups_;
   std::vector<OwnedPiece> pieces;
   if (options_.policy == PartitionPolicy::greedy) {
     greedy_ = partition_greedy(sizes, world);
@@ -88,6 +88,11 @@ void Oss::partition() {
       pieces.push_back({s.group, s.param, first_index_[static_cast<std::size_t>(s.group)] + s.param, s.offset, s.length});
     }
   }
+  if (options_.policy == PartitionPolicy::flat) {
+    flat_buffers_.resize(sizes.size());
+    for (std::size_t g = done_groups; g < sizes.size(); ++g) make_flat_buffer(g);
+  }
+  partitioned_groups_ = sizes.size();
   // Keep the existing pieces (and their shard tensors, which the inner optimizer holds) as they are.
   std::size_t keep = 0;
   while (keep < pieces.size() && static_cast<std::size_t>(pieces[keep].group) < done_groups) ++keep;
@@ -98,6 +103,28 @@ void Oss::partition() {
     local_.push_back(piece);
     shards_.push_back(options_.policy == PartitionPolicy::greedy ? p : p.view(piece.offset, {piece.length}));
   }
+}
+
+// Moves group g's parameters into one buffer laid out as the group's flat index space (parameter, then
+// zero padding up to world · shard size), when they share a dtype and no broadcast dtype is asked.
+void Oss::make_flat_buffer(std::size_t g) {
+  const auto& params = groups_[g].params;
+  const FlatGroup& fg = flat_.groups[g];
+  if (!options_.contiguous_flat || options_.broadcast_dtype || params.empty() || fg.total == 0) return;
+  for (const Tensor& p : params) {
+    if (p.dtype() != params.front().dtype()) return;
+  }
+  const MemoryCategory category = params.front().storage()->category();
+  Tensor flat = Tensor::zeros({fg.shard_size * pg_->size()},
+                              TensorOptions{}.with_dtype(params.front().dtype()).with_category(category));
+  std::int64_t offset = 0;
+  for (const Tensor& p : params) {
+    const Tensor home = flat.view(offset, p.shape());
+    home.copy_(p);
+    p.rebind(home);  // every handle of p now reads and writes the flat buffer
+    offset += p.numel();
+  }
+  flat_buffers_[g] = flat;
 }
 
 std::vector<optim::ParamGroup> Oss::local_groups(std::size_t first_group) const {

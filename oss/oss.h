@@ -56,6 +56,13 @@ struct OssOptions {
   // Send parameters in this dtype (e.g. bf16 for f32 parameters). Every rank, the owner included, then
   // holds the parameter rounded to this dtype, so all ranks keep identical models. Empty: the parameter's.
   std::optional<DType> broadcast_dtype = std::nullopt;
+  // Flat policy: keep each param group's parameters in one contiguous buffer laid out as the flat index
+  // space (padded to world · shard size), so parameters are all-gathered in place with no copies. The
+  // parameters are re-bound (Tensor::rebind) into that buffer at construction: create the Oss before
+  // anything takes views of them. While it is built, a group's parameters are held twice (old storage and
+  // buffer). Used for groups whose parameters share one dtype, without
+  // broadcast_dtype; other groups take the chunked path. See Note [OSS parameter buckets].
+  bool contiguous_flat = true;
   // Deadline of each collective; empty: the group's default.
   std::optional<absl::Duration> timeout = std::nullopt;
 };
@@ -158,6 +165,7 @@ class Oss {
  private:
   Oss(std::vector<optim::ParamGroup> groups, std::shared_ptr<comm::ProcessGroup> group, OssOptions options);
   void partition();
+  void make_flat_buffer(std::size_t g);
   std::vector<optim::ParamGroup> local_groups(std::size_t first_group) const;
   void attach_shard_grads();
   absl::Status sync_params();
@@ -169,7 +177,9 @@ class Oss {
   OssOptions options_;
   GreedyPartition greedy_;
   FlatPartition flat_;
-  std::vector<std::int64_t> first_index_;  // global index of each group's first parameter
+  std::vector<std::int64_t> first_index_;
+  std::size_t partitioned_groups_ = 0;  // groups whose pieces are in local_
+  std::vector<Tensor> flat_buffers_;    // per group (flat policy, contiguous_flat): undefined if not used  // global index of each group's first parameter
   std::vector<OwnedPiece> local_;
   std::vector<Tensor> shards_;  // parallel to local_: the tensors the inner optimizer steps
   std::unique_ptr<optim::Optimizer> inner_;
