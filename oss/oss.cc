@@ -101,6 +101,7 @@ void Oss::partition() {
     const OwnedPiece& piece = pieces[k];
     const Tensor& p = groups_[static_cast<std::size_t>(piece.group)].params[static_cast<std::size_t>(piece.param)];
     local_.push_back(piece);
+    external_grad_.push_back(false);
     shards_.push_back(options_.policy == PartitionPolicy::greedy ? p : p.view(piece.offset, {piece.length}));
   }
 }
@@ -166,11 +167,16 @@ std::int64_t Oss::global_index(int group, int param) const {
   return first_index_.at(static_cast<std::size_t>(group)) + param;
 }
 
-void Oss::refresh_trainable() {
-  trainable_.clear();
+std::vector<bool> Oss::read_trainable() const {
+  std::vector<bool> flags;
   for (const auto& g : groups_) {
-    for (const Tensor& p : g.params) trainable_.push_back(p.requires_grad());
+    for (const Tensor& p : g.params) flags.push_back(p.requires_grad());
   }
+  return flags;
+}
+
+void Oss::refresh_trainable() {
+  trainable_ = read_trainable();
   if (options_.policy == PartitionPolicy::flat) {
     for (std::size_t k = 0; k < local_.size(); ++k) {
       shards_[k].set_requires_grad(trainable_[static_cast<std::size_t>(local_[k].index)]);
@@ -201,13 +207,11 @@ void Oss::set_piece_grad(std::size_t k, const Tensor& grad) {
   SK_CHECK_LT(k, local_.size());
   SK_CHECK_EQ(grad.numel(), local_[k].length) << "gradient for owned piece " << k;
   shards_[k].set_grad(grad.reshape({local_[k].length}));
-  external_grad_.resize(local_.size(), false);
   external_grad_[k] = true;
 }
 
 void Oss::attach_shard_grads() {
   if (options_.policy != PartitionPolicy::flat) return;  // greedy shards are the parameters themselves
-  external_grad_.resize(local_.size(), false);
   for (std::size_t k = 0; k < local_.size(); ++k) {
     if (external_grad_[k]) continue;
     const OwnedPiece& piece = local_[k];
@@ -218,14 +222,7 @@ void Oss::attach_shard_grads() {
 }
 
 absl::Status Oss::step() {
-  bool changed = false;
-  {
-    std::size_t i = 0;
-    for (const auto& g : groups_) {
-      for (const Tensor& p : g.params) changed |= i >= trainable_.size() || trainable_[i++] != p.requires_grad();
-    }
-  }
-  if (changed) {
+  if (read_trainable() != trainable_) {
     SK_LOG(kInfo, "Oss: the set of trainable parameters changed; refreshing");
     refresh_trainable();
   }

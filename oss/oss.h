@@ -45,6 +45,9 @@ namespace shardkit::oss {
 
 enum class PartitionPolicy { greedy, flat };
 
+// "greedy" / "flat" (for messages, benchmark and test names).
+constexpr const char* partition_policy_name(PartitionPolicy p) { return p == PartitionPolicy::greedy ? "greedy" : "flat"; }
+
 struct OssOptions {
   PartitionPolicy policy = PartitionPolicy::greedy;
   // Parameters are sent in buckets of at most this many bytes (greedy: parameters smaller than
@@ -168,6 +171,7 @@ class Oss {
   void make_flat_buffer(std::size_t g);
   std::vector<optim::ParamGroup> local_groups(std::size_t first_group) const;
   void attach_shard_grads();
+  std::vector<bool> read_trainable() const;  // requires_grad of every parameter, by global index
   absl::Status sync_params();
   absl::Status wait_all(std::vector<std::shared_ptr<comm::Work>>& works);
   absl::Duration timeout() const;
