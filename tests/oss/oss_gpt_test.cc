@@ -9,36 +9,17 @@
 #include "common/optim/sgd.h"
 #include "gtest/gtest.h"
 #include "oss/oss.h"
+#include "tests/testing/gpt_tiny_data.h"
 
 namespace shardkit::oss {
 namespace {
 
-constexpr int kBatch = 24;  // divisible by 1, 2, 3, 4 and 8
+using gpt_tiny::Batch;
+using gpt_tiny::kBatch;
+using gpt_tiny::TinyConfig;
+using gpt_tiny::Values;
+
 constexpr int kSteps = 20;
-
-nn::GPTConfig TinyConfig() { return *nn::GPTConfig::named("gpt-10k"); }
-
-// Batch `step`: tokens and next-token targets, rows [row0, row0 + rows).
-std::pair<Tensor, Tensor> Batch(int step, int row0, int rows) {
-  const nn::GPTConfig c = TinyConfig();
-  Generator gen(99, static_cast<std::uint64_t>(step));
-  std::vector<std::int64_t> all(static_cast<std::size_t>(kBatch * (c.context + 1)));
-  for (auto& t : all) t = static_cast<std::int64_t>(gen.next_below(static_cast<std::uint64_t>(c.vocab_size)));
-  std::vector<std::int64_t> x, y;
-  for (int r = row0; r < row0 + rows; ++r) {
-    for (std::int64_t t = 0; t < c.context; ++t) {
-      x.push_back(all[static_cast<std::size_t>(r * (c.context + 1) + t)]);
-      y.push_back(all[static_cast<std::size_t>(r * (c.context + 1) + t + 1)]);
-    }
-  }
-  return {Tensor::from_int64(x, {rows, c.context}), Tensor::from_int64(y, {rows, c.context})};
-}
-
-std::vector<std::vector<float>> Values(const nn::Module& m) {
-  std::vector<std::vector<float>> out;
-  for (const Tensor& p : m.parameters()) out.push_back(p.to_vector());
-  return out;
-}
 
 std::vector<std::vector<float>> Reference(const optim::OptimizerFactory& factory) {
   RankContext ctx;
@@ -108,8 +89,8 @@ INSTANTIATE_TEST_SUITE_P(Ranks, OssGpt,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
                                             ::testing::Values(PartitionPolicy::greedy, PartitionPolicy::flat)),
                          [](const auto& info) {
-                           return std::string(std::get<1>(info.param) == PartitionPolicy::greedy ? "greedy" : "flat") +
-                                  "_n" + std::to_string(std::get<0>(info.param));
+                           return std::string(partition_policy_name(std::get<1>(info.param))) + "_n" +
+                                  std::to_string(std::get<0>(info.param));
                          });
 
 }  // namespace

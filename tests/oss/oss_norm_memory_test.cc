@@ -78,7 +78,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(PartitionPolicy::greedy, PartitionPolicy::flat)),
     [](const auto& info) {
       return std::string(dtype_name(std::get<0>(info.param))) + (std::isinf(std::get<1>(info.param)) ? "_inf" : "_l2") +
-             (std::get<2>(info.param) == PartitionPolicy::greedy ? "_greedy" : "_flat");
+             "_" + partition_policy_name(std::get<2>(info.param));
     });
 
 TEST(OssClipTest, RejectsOtherNorms) {
@@ -117,7 +117,7 @@ TEST_P(OssLedger, OptimizerStateBytesAreExactlyTheOwnedShare) {
       EXPECT_EQ(bytes[static_cast<std::size_t>(r)], per_elem * owned[static_cast<std::size_t>(r)]) << "rank " << r;
       total_owned += owned[static_cast<std::size_t>(r)];
       std::printf("[ledger] %s %s n=%d rank %d: optimizer_state %lld B, formula %lld*Psi/N = %.1f B\n",
-                  std::string(dtype_name(dtype)).c_str(), policy == PartitionPolicy::greedy ? "greedy" : "flat",
+                  std::string(dtype_name(dtype)).c_str(), partition_policy_name(policy),
                   world, r, static_cast<long long>(bytes[static_cast<std::size_t>(r)]),
                   static_cast<long long>(per_elem), static_cast<double>(per_elem * psi) / world);
     }
@@ -133,7 +133,7 @@ INSTANTIATE_TEST_SUITE_P(Ledger, OssLedger,
                                             ::testing::Values(PartitionPolicy::greedy, PartitionPolicy::flat)),
                          [](const auto& info) {
                            return std::string(dtype_name(std::get<0>(info.param))) +
-                                  (std::get<1>(info.param) == PartitionPolicy::greedy ? "_greedy" : "_flat");
+                                  "_" + partition_policy_name(std::get<1>(info.param));
                          });
 
 }  // namespace

@@ -145,7 +145,7 @@ TEST_P(OssResume, MergeOfShardedStateDictsEqualsConsolidation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, OssResume, ::testing::Values(PartitionPolicy::greedy, PartitionPolicy::flat),
-                         [](const auto& info) { return info.param == PartitionPolicy::greedy ? "greedy" : "flat"; });
+                         [](const auto& info) { return partition_policy_name(info.param); });
 
 // A dict that only the owner of one parameter can find wrong: every rank must reject it and keep its state.
 TEST(OssLoadTest, BadStateDictsAreRejectedEverywhereAndChangeNothing) {
@@ -193,12 +193,6 @@ TEST(OssLoadTest, BadStateDictsAreRejectedEverywhereAndChangeNothing) {
     }
   }
 }
-
-}  // namespace
-}  // namespace shardkit::oss
-
-namespace shardkit::oss {
-namespace {
 
 // The consolidated state is handed over once; the rank does not keep a full copy afterwards.
 TEST(OssStateDictTest, ConsolidatedStateIsHandedOverOnce) {

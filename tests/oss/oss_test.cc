@@ -49,12 +49,24 @@ struct Scenario {
   bool freeze_param_1_from_10_to_14 = false;
 };
 
-void ApplyScenario(const Scenario& sc, int step, std::vector<Tensor>& params, const std::function<void(double)>& set_lr) {
+// The mid-run changes at `step`, applied the same way to the reference and to the sharded run: a param group
+// added (through add_group, whose lr is 2e-3), lr changed, a parameter frozen then unfrozen.
+absl::Status ApplyScenario(const Scenario& sc, int step, const optim::HyperParams& base, std::vector<Tensor>& params,
+                           const std::function<absl::Status(optim::ParamGroup)>& add_group,
+                           const std::function<void(double)>& set_lr) {
+  if (sc.add_group_at_5 && step == 5) {
+    std::vector<Tensor> extra = MakeParams(kExtraShapes, 8);
+    optim::HyperParams h = base;
+    h.lr = 2e-3;
+    if (absl::Status s = add_group({extra, h}); !s.ok()) return s;
+    params.insert(params.end(), extra.begin(), extra.end());
+  }
   if (sc.change_lr_at_8 && step == 8) set_lr(3e-3);
   if (sc.freeze_param_1_from_10_to_14) {
     if (step == 10) params[1].set_requires_grad(false);
     if (step == 14) params[1].set_requires_grad(true);
   }
+  return absl::OkStatus();
 }
 
 // Reference: one rank, full optimizer, gradients averaged over `world` simulated ranks in rank order.
@@ -67,14 +79,10 @@ std::vector<std::vector<float>> Reference(int world, const Scenario& sc, const o
   optim::Optimizer& o = **opt;
   const optim::HyperParams base = o.param_group(0).hyper;
   for (int step = 0; step < sc.steps; ++step) {
-    if (sc.add_group_at_5 && step == 5) {
-      std::vector<Tensor> extra = MakeParams(kExtraShapes, 8);
-      optim::HyperParams h = base;
-      h.lr = 2e-3;
-      SK_CHECK(o.add_param_group({extra, h}).ok());
-      params.insert(params.end(), extra.begin(), extra.end());
-    }
-    ApplyScenario(sc, step, params, [&](double lr) { o.mutable_hyper(0).lr = lr; });
+    SK_CHECK(ApplyScenario(
+                 sc, step, base, params, [&](optim::ParamGroup g) { return o.add_param_group(std::move(g)); },
+                 [&](double lr) { o.mutable_hyper(0).lr = lr; })
+                 .ok());
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (!params[i].requires_grad()) {
         params[i].set_grad(Tensor());
@@ -109,14 +117,12 @@ std::vector<std::vector<std::vector<float>>> Sharded(int world, const Scenario& 
     Oss& o = **oss;
     const optim::HyperParams base = o.param_group(0).hyper;
     for (int step = 0; step < sc.steps; ++step) {
-      if (sc.add_group_at_5 && step == 5) {
-        std::vector<Tensor> extra = MakeParams(kExtraShapes, 8);
-        optim::HyperParams h = base;
-        h.lr = 2e-3;
-        if (absl::Status s = o.add_param_group({extra, h}); !s.ok()) return s;
-        params.insert(params.end(), extra.begin(), extra.end());
+      if (absl::Status s = ApplyScenario(
+              sc, step, base, params, [&](optim::ParamGroup g) { return o.add_param_group(std::move(g)); },
+              [&](double lr) { o.mutable_hyper(0).lr = lr; });
+          !s.ok()) {
+        return s;
       }
-      ApplyScenario(sc, step, params, [&](double lr) { o.mutable_hyper(0).lr = lr; });
       for (std::size_t i = 0; i < params.size(); ++i) {
         if (!params[i].requires_grad()) {
           params[i].set_grad(Tensor());
@@ -181,15 +187,9 @@ INSTANTIATE_TEST_SUITE_P(Ranks, OssEquivalence,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
                                             ::testing::Values(PartitionPolicy::greedy, PartitionPolicy::flat)),
                          [](const auto& info) {
-                           return std::string(std::get<1>(info.param) == PartitionPolicy::greedy ? "greedy" : "flat") +
-                                  "_n" + std::to_string(std::get<0>(info.param));
+                           return std::string(partition_policy_name(std::get<1>(info.param))) + "_n" +
+                                  std::to_string(std::get<0>(info.param));
                          });
-
-}  // namespace
-}  // namespace shardkit::oss
-
-namespace shardkit::oss {
-namespace {
 
 // Low-precision broadcast: every rank (the owner too) ends with the parameters rounded to bf16, identical
 // everywhere, and close to the full-precision run.

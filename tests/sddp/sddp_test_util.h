@@ -12,36 +12,16 @@
 #include "common/nn/gpt.h"
 #include "common/tensor/rank_context.h"
 #include "common/optim/adam.h"
+#include "tests/testing/gpt_tiny_data.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace shardkit::sddp::test_util {
 
-inline constexpr int kBatch = 24;  // divisible by 1, 2, 3, 4 and 8
-
-inline nn::GPTConfig TinyConfig() { return *nn::GPTConfig::named("gpt-10k"); }
-
-// Batch `step`: tokens and next-token targets, rows [row0, row0 + rows).
-inline std::pair<Tensor, Tensor> Batch(int step, int row0, int rows) {
-  const nn::GPTConfig c = TinyConfig();
-  Generator gen(99, static_cast<std::uint64_t>(step));
-  std::vector<std::int64_t> all(static_cast<std::size_t>(kBatch * (c.context + 1)));
-  for (auto& t : all) t = static_cast<std::int64_t>(gen.next_below(static_cast<std::uint64_t>(c.vocab_size)));
-  std::vector<std::int64_t> x, y;
-  for (int r = row0; r < row0 + rows; ++r) {
-    for (std::int64_t t = 0; t < c.context; ++t) {
-      x.push_back(all[static_cast<std::size_t>(r * (c.context + 1) + t)]);
-      y.push_back(all[static_cast<std::size_t>(r * (c.context + 1) + t + 1)]);
-    }
-  }
-  return {Tensor::from_int64(x, {rows, c.context}), Tensor::from_int64(y, {rows, c.context})};
-}
-
-inline std::vector<std::vector<float>> Values(const nn::Module& m) {
-  std::vector<std::vector<float>> out;
-  for (const Tensor& p : m.parameters()) out.push_back(p.to_vector());
-  return out;
-}
+using gpt_tiny::Batch;
+using gpt_tiny::kBatch;
+using gpt_tiny::TinyConfig;
+using gpt_tiny::Values;
 
 // Freezes block 0 of a GPT (what the "freeze mid-run" tests do on every rank and in the reference).
 inline void FreezeBlock0(nn::GPT& model) { (*model.blocks)[0]->set_requires_grad(false); }
