@@ -90,7 +90,8 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
       MemoryCategoryScope params(MemoryCategory::parameter);
       oss_model = std::make_unique<nn::GPT>(config, 1);
       auto o = oss::Oss::create({{oss_model->parameters(), optim::AdamW::default_hyper()}},
-                                optim::AdamW::factory(), env.group_ptr, {.policy = policy});
+                                optim::AdamW::factory(), env.group_ptr,
+                                {.policy = policy, .flat_chunk_numel = kWrapperOptions.reduce_buffer_size});
       if (!o.ok()) return o.status();
       oss_opt = std::move(*o);
       if (sharded_grads) {

@@ -83,7 +83,7 @@ void Oss::partition() {
       }
     }
   } else {
-    flat_ = partition_flat(sizes, world);
+    flat_ = partition_flat(sizes, world, options_.flat_chunk_numel);
     for (const Slice& s : flat_.slices[static_cast<std::size_t>(rank)]) {
       pieces.push_back({s.group, s.param, first_index_[static_cast<std::size_t>(s.group)] + s.param, s.offset, s.length});
     }
@@ -106,24 +106,35 @@ void Oss::partition() {
   }
 }
 
-// Moves group g's parameters into one buffer laid out as the group's flat index space (parameter, then
-// zero padding up to world · shard size), when they share a dtype and no broadcast dtype is asked.
+// Moves group g's parameters into one buffer laid out as the group's flat index space, each chunk padded with
+// zeros up to world · its shard size, when they share a dtype and no broadcast dtype is asked.
 void Oss::make_flat_buffer(std::size_t g) {
   const auto& params = groups_[g].params;
-  const FlatGroup& fg = flat_.groups[g];
-  if (!options_.contiguous_flat || options_.broadcast_dtype || params.empty() || fg.total == 0) return;
+  const int world = pg_->size();
+  chunk_buffer_offset_.resize(flat_.chunks.size(), 0);
+  std::int64_t padded = 0;
+  for (std::size_t c = 0; c < flat_.chunks.size(); ++c) {
+    if (static_cast<std::size_t>(flat_.chunks[c].group) != g) continue;
+    chunk_buffer_offset_[c] = padded;
+    padded += flat_.chunks[c].shard_size * world;
+  }
+  if (!options_.contiguous_flat || options_.broadcast_dtype || params.empty() || padded == 0) return;
   for (const Tensor& p : params) {
     if (p.dtype() != params.front().dtype()) return;
   }
   const MemoryCategory category = params.front().storage()->category();
-  Tensor flat = Tensor::zeros({fg.shard_size * pg_->size()},
-                              TensorOptions{}.with_dtype(params.front().dtype()).with_category(category));
-  std::int64_t offset = 0;
+  Tensor flat = Tensor::zeros({padded}, TensorOptions{}.with_dtype(params.front().dtype()).with_category(category));
+  std::size_t c = 0;  // the chunk holding the current parameter (chunks are runs of whole parameters)
+  std::int64_t flat_offset = 0;
   for (const Tensor& p : params) {
-    const Tensor home = flat.view(offset, p.shape());
+    for (;; ++c) {
+      const FlatChunk& ch = flat_.chunks[c];
+      if (ch.group == static_cast<int>(g) && flat_offset >= ch.base && flat_offset + p.numel() <= ch.base + ch.total) break;
+    }
+    const Tensor home = flat.view(chunk_buffer_offset_[c] + flat_offset - flat_.chunks[c].base, p.shape());
     home.copy_(p);
     p.rebind(home);  // every handle of p now reads and writes the flat buffer
-    offset += p.numel();
+    flat_offset += p.numel();
   }
   flat_buffers_[g] = flat;
 }

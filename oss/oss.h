@@ -60,12 +60,18 @@ struct OssOptions {
   // holds the parameter rounded to this dtype, so all ranks keep identical models. Empty: the parameter's.
   std::optional<DType> broadcast_dtype = std::nullopt;
   // Flat policy: keep each param group's parameters in one contiguous buffer laid out as the flat index
-  // space (padded to world · shard size), so parameters are all-gathered in place with no copies. The
+  // space (each chunk padded to world · its shard size), so parameters are all-gathered in place with no
+  // copies. The
   // parameters are re-bound (Tensor::rebind) into that buffer at construction: create the Oss before
   // anything takes views of them. While it is built, a group's parameters are held twice (old storage and
   // buffer). Used for groups whose parameters share one dtype, without
   // broadcast_dtype; other groups take the chunked path. See Note [OSS parameter buckets].
   bool contiguous_flat = true;
+  // Flat policy: each param group is cut into chunks of about this many elements, each split evenly over
+  // the ranks (Note [flat chunks] in partition.h); <= 0: one chunk per group. With ShardedDataParallel's
+  // reduce-scatter, a chunk is what one collective reduces during backward: keep it at most its
+  // reduce_buffer_size (the same default) so gradients are reduced while backward goes on.
+  std::int64_t flat_chunk_numel = std::int64_t{1} << 23;
   // Deadline of each collective; empty: the group's default.
   std::optional<absl::Duration> timeout = std::nullopt;
 };
@@ -123,6 +129,7 @@ class Oss {
 
   // ---- ownership (what ShardedDataParallel routes gradients with) ----
   PartitionPolicy policy() const { return options_.policy; }
+  const OssOptions& options() const { return options_; }
   const comm::ProcessGroup& process_group() const { return *pg_; }
   // Greedy: the rank that owns parameter `param` of group `group`. Flat: InternalError (use flat_partition).
   int owner(int group, int param) const;
@@ -181,9 +188,11 @@ class Oss {
   OssOptions options_;
   GreedyPartition greedy_;
   FlatPartition flat_;
-  std::vector<std::int64_t> first_index_;
-  std::size_t partitioned_groups_ = 0;  // groups whose pieces are in local_
-  std::vector<Tensor> flat_buffers_;    // per group (flat policy, contiguous_flat): undefined if not used  // global index of each group's first parameter
+  std::vector<std::int64_t> first_index_;  // global index of each group's first parameter
+  std::size_t partitioned_groups_ = 0;      // groups whose pieces are in local_
+  std::vector<Tensor> flat_buffers_;        // per group (flat policy, contiguous_flat): undefined if not used
+  // Per chunk of flat_: where its world · shard_size elements start in its group's flat buffer.
+  std::vector<std::int64_t> chunk_buffer_offset_;
   std::vector<OwnedPiece> local_;
   std::vector<Tensor> shards_;  // parallel to local_: the tensors the inner optimizer steps
   std::unique_ptr<optim::Optimizer> inner_;

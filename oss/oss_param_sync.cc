@@ -10,11 +10,12 @@
 // per-call latency. Every rank computes the same plan from the same partition and trainable flags, so the
 // broadcasts match. At most kMaxInFlight buckets are outstanding, which bounds the communication buffers.
 // Flat: with contiguous_flat (the default), each group's parameters live in one buffer laid out as the
-// group's flat index space, so one all_gather per group runs in place: no buffer, no copies (this made the
-// gpt-10m OSS step at N = 2 go from 1.07-1.11x the DDP step to 0.96x, train_bench). Otherwise the ranks' ranges
-// are all-gathered in chunks through a buffer: chunk c of every rank's range goes into one all_gather, so
-// every call moves at most bucket_bytes in total.
+// group's flat index space, so one all_gather per chunk (Note [flat chunks] in partition.h) runs in place:
+// no buffer, no copies (this made the gpt-10m OSS step at N = 2 go from 1.07-1.11x the DDP step to 0.96x,
+// train_bench). Otherwise each chunk's ranges are all-gathered through a buffer, a column of every rank's
+// range at a time, so every call moves at most bucket_bytes in total.
 #include <algorithm>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/tensor/rank_context.h"
@@ -123,16 +124,17 @@ absl::Status Oss::sync_params() {
     return absl::OkStatus();
   }
 
-  // Flat: per group, chunked all_gather of every rank's range.
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    const FlatGroup& fg = flat_.groups[g];
+  // Flat: per chunk (Note [flat chunks]), an all_gather of every rank's range.
+  for (std::size_t c = 0; c < flat_.chunks.size(); ++c) {
+    const FlatChunk& fc = flat_.chunks[c];
+    const auto g = static_cast<std::size_t>(fc.group);
     const auto& params = groups_[g].params;
-    if (fg.total == 0) continue;
+    if (fc.total == 0) continue;
+    const std::string tag = absl::StrCat("oss flat group ", g, " chunk ", c);
     if (flat_buffers_[g].defined()) {  // parameters live in the flat buffer: one all_gather in place
-      const Tensor& out = flat_buffers_[g];
-      auto work = pg_->all_gather(out, out.view(rank * fg.shard_size, {fg.shard_size}),
-                                  {.timeout = options_.timeout, .tag = absl::StrCat("oss flat group ", g)});
-      works.push_back(std::move(work));
+      const Tensor out = flat_buffers_[g].view(chunk_buffer_offset_[c], {fc.shard_size * world});
+      works.push_back(pg_->all_gather(out, out.view(rank * fc.shard_size, {fc.shard_size}),
+                                      {.timeout = options_.timeout, .tag = tag}));
       continue;
     }
     DType wire = options_.broadcast_dtype.value_or(params.front().dtype());
@@ -141,21 +143,22 @@ absl::Status Oss::sync_params() {
         if (p.dtype() != wire) wire = DType::f32;  // mixed dtypes: carry f32
       }
     }
-    const std::int64_t chunk = std::max<std::int64_t>(
+    // Copies through a bucket of at most bucket_bytes: a column of every rank's range at a time.
+    const std::int64_t column = std::max<std::int64_t>(
         1, options_.bucket_bytes / static_cast<std::int64_t>(dtype_size(wire)) / world);
-    for (std::int64_t c0 = 0; c0 < fg.shard_size; c0 += chunk) {
-      const std::int64_t len = std::min(chunk, fg.shard_size - c0);
+    for (std::int64_t c0 = 0; c0 < fc.shard_size; c0 += column) {
+      const std::int64_t len = std::min(column, fc.shard_size - c0);
       Tensor out = Tensor::empty({len * world}, TensorOptions{}.with_dtype(wire));
       const Tensor in = out.view(rank * len, {len});
-      const std::int64_t my_begin = fg.begin(rank) + c0;
-      const std::int64_t my_n = std::clamp<std::int64_t>(fg.end(rank) - my_begin, 0, len);
+      const std::int64_t my_begin = fc.begin(rank) + c0;
+      const std::int64_t my_n = std::clamp<std::int64_t>(fc.end(rank) - my_begin, 0, len);
       if (my_n > 0) CopyFlat(params, my_begin, my_n, in, 0, /*to_params=*/false);
-      if (my_n < len) in.view(my_n, {len - my_n}).zero_();  // padding past the group's end
-      auto work = pg_->all_gather(out, in, {.timeout = options_.timeout, .tag = absl::StrCat("oss flat group ", g)});
+      if (my_n < len) in.view(my_n, {len - my_n}).zero_();  // padding past the chunk's end
+      auto work = pg_->all_gather(out, in, {.timeout = options_.timeout, .tag = tag});
       if (absl::Status s = work->wait(timeout()); !s.ok()) return s;
       for (int r = 0; r < world; ++r) {
-        const std::int64_t begin = fg.begin(r) + c0;
-        const std::int64_t n = std::clamp<std::int64_t>(fg.end(r) - begin, 0, len);
+        const std::int64_t begin = fc.begin(r) + c0;
+        const std::int64_t n = std::clamp<std::int64_t>(fc.end(r) - begin, 0, len);
         if (n > 0 && (r != rank || wire != params.front().dtype() || options_.broadcast_dtype)) {
           CopyFlat(params, begin, n, out, static_cast<std::int64_t>(r) * len, /*to_params=*/true);
         }

@@ -35,39 +35,67 @@ GreedyPartition partition_greedy(const GroupSizes& sizes, int world) {
   return p;
 }
 
-std::int64_t FlatGroup::begin(int rank) const { return std::min(total, shard_size * rank); }
-std::int64_t FlatGroup::end(int rank) const { return std::min(total, shard_size * (rank + 1)); }
+std::int64_t FlatChunk::begin(int rank) const { return base + std::min(total, shard_size * rank); }
+std::int64_t FlatChunk::end(int rank) const { return base + std::min(total, shard_size * (rank + 1)); }
 
 std::int64_t FlatPartition::owned_numel(int rank) const {
   std::int64_t n = 0;
-  for (const FlatGroup& g : groups) n += g.end(rank) - g.begin(rank);
+  for (const FlatChunk& c : chunks) n += c.end(rank) - c.begin(rank);
   return n;
 }
 
-FlatPartition partition_flat(const GroupSizes& sizes, int world) {
+int FlatPartition::chunk_of(int group, std::int64_t flat_offset) const {
+  int found = -1;
+  for (std::size_t c = 0; c < chunks.size(); ++c) {
+    if (chunks[c].group == group && chunks[c].base <= flat_offset) found = static_cast<int>(c);
+  }
+  SK_CHECK_GE(found, 0) << "no chunk of group " << group << " holds flat element " << flat_offset;
+  return found;
+}
+
+FlatPartition partition_flat(const GroupSizes& sizes, int world, std::int64_t chunk_numel) {
   SK_CHECK_GE(world, 1);
   FlatPartition p;
   p.slices.resize(static_cast<std::size_t>(world));
   for (std::size_t gi = 0; gi < sizes.size(); ++gi) {
-    FlatGroup fg;
-    for (std::int64_t n : sizes[gi]) {
-      SK_CHECK_GE(n, 0);
-      fg.total += n;
-    }
-    fg.shard_size = (fg.total + world - 1) / world;
-    std::int64_t flat = 0;
-    for (std::size_t pi = 0; pi < sizes[gi].size(); ++pi) {
-      const std::int64_t n = sizes[gi][pi];
-      for (std::int64_t done = 0; done < n;) {
-        const int rank = static_cast<int>((flat + done) / fg.shard_size);
-        const std::int64_t len = std::min(fg.end(rank) - (flat + done), n - done);
-        p.slices[static_cast<std::size_t>(rank)].push_back(
-            Slice{static_cast<int>(gi), static_cast<int>(pi), done, len, flat + done});
-        done += len;
+    const auto& group = sizes[gi];
+    // Cut the group into chunks of whole parameters: [first, last) parameter indices per chunk.
+    std::vector<std::pair<std::size_t, std::size_t>> runs;
+    std::int64_t run_numel = 0;
+    for (std::size_t pi = 0; pi < group.size(); ++pi) {
+      SK_CHECK_GE(group[pi], 0);
+      if (runs.empty() || (chunk_numel > 0 && run_numel > 0 && run_numel + group[pi] > chunk_numel)) {
+        runs.emplace_back(pi, pi);
+        run_numel = 0;
       }
-      flat += n;
+      runs.back().second = pi + 1;
+      run_numel += group[pi];
     }
-    p.groups.push_back(fg);
+    if (runs.empty()) runs.emplace_back(0, 0);
+    std::int64_t flat = 0;
+    for (const auto& [first, last] : runs) {
+      FlatChunk c{static_cast<int>(gi), flat, 0, 0};
+      for (std::size_t pi = first; pi < last; ++pi) c.total += group[pi];
+      c.shard_size = (c.total + world - 1) / world;
+      for (std::size_t pi = first; pi < last; ++pi) {
+        const std::int64_t n = group[pi];
+        for (std::int64_t done = 0; done < n;) {
+          const int rank = static_cast<int>((flat + done - c.base) / c.shard_size);
+          const std::int64_t len = std::min(c.end(rank) - (flat + done), n - done);
+          p.slices[static_cast<std::size_t>(rank)].push_back(
+              Slice{static_cast<int>(gi), static_cast<int>(pi), done, len, flat + done});
+          done += len;
+        }
+        flat += n;
+      }
+      p.chunks.push_back(c);
+    }
+  }
+  // Each rank's slices in (group, flat) order.
+  for (auto& mine : p.slices) {
+    std::stable_sort(mine.begin(), mine.end(), [](const Slice& a, const Slice& b) {
+      return a.group != b.group ? a.group < b.group : a.flat_offset < b.flat_offset;
+    });
   }
   return p;
 }

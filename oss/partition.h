@@ -8,11 +8,12 @@
 //    running total is smallest (ties: lower rank). Totals carry over from group to group, so the balance is
 //    over the whole model. Frozen parameters are partitioned like any other (as the anchors do): ownership
 //    does not move when a parameter is frozen or unfrozen.
-//  * Flat: per param group, the group's parameters concatenated in order form a flat index space of
-//    `total` elements, split into `world` contiguous ranges of ceil(total / world) elements (the last
-//    ranges may be shorter or empty). A tensor may straddle ranks: each rank owns a list of slices. This
-//    is what makes one reduce-scatter / all-gather per bucket possible. Per group (not over the whole
-//    model) so that adding a param group never moves ownership of existing parameters.
+//  * Flat: per param group, the group's parameters concatenated in order form a flat index space, cut
+//    into chunks (Note [flat chunks]); each chunk is split into `world` contiguous ranges of
+//    ceil(chunk / world) elements (the last ranges may be shorter or empty). A tensor may straddle ranks:
+//    each rank owns a list of slices. This is what makes one reduce-scatter / all-gather per chunk
+//    possible. Per group (not over the whole model) so that adding a param group never moves ownership of
+//    existing parameters.
 #pragma once
 
 #include <cstdint>
@@ -44,21 +45,40 @@ struct Slice {
   friend bool operator==(const Slice&, const Slice&) = default;
 };
 
-// One group's flat index space and its split.
-struct FlatGroup {
-  std::int64_t total = 0;       // elements of the group
-  std::int64_t shard_size = 0;  // ceil(total / world): every rank's range has this capacity
-  std::int64_t begin(int rank) const;  // flat range [begin, end) of `rank`, clipped to total
+// Note [flat chunks]
+// A param group's flat index space is cut, at parameter boundaries, into chunks of about `chunk_numel`
+// elements, and every chunk is split evenly over the ranks: each rank owns 1/world of every chunk (FSDP's
+// flat parameter per wrapped unit, llm.c's per-tensor shards). Why not one range per rank per group: with
+// ShardedDataParallel's reduce-scatter (ZeRO-2), a collective can only start when every rank's part of it
+// is ready. With one range per rank, rank 0's range holds the first layers, whose gradients are ready
+// last, so every reduce-scatter would wait for the end of backward and every gradient would sit in a bucket
+// until then. With chunks, the parameters of one chunk are neighbours in the model, their gradients are
+// ready together, and each chunk is reduce-scattered while backward goes on. chunk_numel <= 0 keeps one
+// chunk per group (one range per rank: the fewest collectives when nothing overlaps them).
+
+// One chunk: flat elements [base, base + total) of group `group`, a run of whole parameters. Rank r owns
+// [begin(r), end(r)), up to shard_size = ceil(total / world) elements (the last ranks may own fewer or none).
+struct FlatChunk {
+  int group = 0;
+  std::int64_t base = 0;
+  std::int64_t total = 0;
+  std::int64_t shard_size = 0;
+  std::int64_t begin(int rank) const;
   std::int64_t end(int rank) const;
 };
 
 struct FlatPartition {
-  std::vector<FlatGroup> groups;
+  std::vector<FlatChunk> chunks;           // in (group, base) order; every group has at least one
   std::vector<std::vector<Slice>> slices;  // slices[rank], in (group, flat) order
 
   std::int64_t owned_numel(int rank) const;
+  // Index (in `chunks`) of the chunk of group `group` that holds flat element `flat_offset`: the last one
+  // starting at or before it (so an empty parameter belongs to a neighbouring chunk).
+  int chunk_of(int group, std::int64_t flat_offset) const;
 };
 
-FlatPartition partition_flat(const GroupSizes& sizes, int world);
+// chunk_numel: a chunk is closed before a parameter that would take it past chunk_numel elements (a larger
+// parameter is a chunk of its own); <= 0: one chunk per group. See Note [flat chunks].
+FlatPartition partition_flat(const GroupSizes& sizes, int world, std::int64_t chunk_numel = 0);
 
 }  // namespace shardkit::oss

@@ -51,24 +51,24 @@ std::vector<std::vector<int>> assign_buckets(absl::Span<const int> order, absl::
   return sorted;
 }
 
-std::vector<Column> assign_columns(int space, const oss::FlatGroup& group, absl::Span<const FlatMember> members,
+std::vector<Column> assign_columns(int space, const oss::FlatChunk& chunk, absl::Span<const FlatMember> members,
                                    int world, std::int64_t width) {
   std::vector<Column> cols;
-  if (group.total == 0) return cols;
-  const std::int64_t w = width <= 0 ? group.shard_size : std::min(width, group.shard_size);
-  const std::int64_t ncols = (group.shard_size + w - 1) / w;
+  if (chunk.total == 0) return cols;
+  const std::int64_t w = width <= 0 ? chunk.shard_size : std::min(width, chunk.shard_size);
+  const std::int64_t ncols = (chunk.shard_size + w - 1) / w;
   cols.resize(static_cast<std::size_t>(ncols));
   for (std::int64_t k = 0; k < ncols; ++k) {
     Column& c = cols[static_cast<std::size_t>(k)];
     c.space = space;
     c.offset = k * w;
-    c.width = std::min(w, group.shard_size - k * w);
+    c.width = std::min(w, chunk.shard_size - k * w);
   }
   // Walk every rank's range and cut it at parameter and column boundaries. Members need not tile the
   // space: elements of no member (frozen parameters) are left out (gaps the reducer fills with zeros).
   std::size_t m = 0;
   for (int r = 0; r < world; ++r) {
-    const std::int64_t begin = group.begin(r), end = group.end(r);
+    const std::int64_t begin = chunk.begin(r), end = chunk.end(r);
     std::int64_t pos = begin;
     while (pos < end) {
       while (m < members.size() && members[m].flat_offset + members[m].numel <= pos) ++m;
@@ -80,7 +80,7 @@ std::vector<Column> assign_columns(int space, const oss::FlatGroup& group, absl:
       }
       const std::int64_t local = pos - begin;
       const std::int64_t k = local / w;
-      const std::int64_t col_end = begin + std::min((k + 1) * w, group.shard_size);
+      const std::int64_t col_end = begin + std::min((k + 1) * w, chunk.shard_size);
       const std::int64_t stop = std::min({end, col_end, fm.flat_offset + fm.numel});
       cols[static_cast<std::size_t>(k)].pieces.push_back(
           {fm.param, pos - fm.flat_offset, r, local - k * w, stop - pos});

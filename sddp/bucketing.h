@@ -45,8 +45,11 @@ struct ColumnPiece {
 // [begin(r) + offset, begin(r) + offset + width) of every rank r's range (clipped to the range). Its input
 // is `world` segments of `width` elements, segment r holding rank r's part; rank r receives its reduced part
 // in an output of `width` elements. Columns are then launched in expected ready order like other buckets.
+// A column is ready when its part of every rank's range is: all the columns of one chunk fill together,
+// as the chunk's gradients arrive (Note [flat chunks] in oss/partition.h), which is why a chunk should be no
+// larger than a bucket.
 struct Column {
-  int space = 0;              // which flat space (one per (optimizer, param group))
+  int space = 0;              // which flat space (one per chunk of each optimizer, Note [flat chunks])
   std::int64_t offset = 0;    // offset inside every rank's range
   std::int64_t width = 0;     // segment width (output numel)
   std::vector<ColumnPiece> pieces;
@@ -63,7 +66,7 @@ struct FlatMember {
 // Splits `space`'s flat split into columns of `width` elements (width <= 0: one column per space, i.e. one
 // reduce_scatter of the whole space). Members must be sorted by flat_offset and not overlap; elements of no member are
 // left out of every column (the reducer sends zeros there).
-std::vector<Column> assign_columns(int space, const oss::FlatGroup& group, absl::Span<const FlatMember> members,
+std::vector<Column> assign_columns(int space, const oss::FlatChunk& chunk, absl::Span<const FlatMember> members,
                                    int world, std::int64_t width);
 
 // Orders buckets for launch: by the largest position (in `position`, indexed by parameter) of their members;

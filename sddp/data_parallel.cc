@@ -52,9 +52,14 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
     int opt, group, param;
   };
   std::map<const TensorImpl*, Where> where;
-  std::map<std::pair<int, int>, int> space_of;           // (opt, group) -> space
   std::vector<std::vector<std::vector<std::int64_t>>> start;  // [opt][group][param] flat start
-  std::vector<oss::FlatGroup> spaces;
+  // Flat strategies: one space per chunk of every optimizer's flat partition (Note [flat chunks]).
+  std::vector<int> first_space;  // per optimizer: the space of its first chunk
+  std::vector<oss::FlatChunk> spaces;
+  auto space_of = [&](int o, int group, std::int64_t flat_offset) {
+    return first_space[static_cast<std::size_t>(o)] +
+           optimizers_[static_cast<std::size_t>(o)]->flat_partition().chunk_of(group, flat_offset);
+  };
   for (std::size_t o = 0; o < optimizers_.size(); ++o) {
     const oss::Oss& opt = *optimizers_[o];
     start.emplace_back();
@@ -67,10 +72,11 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
         start[o][g].push_back(off);
         off += params[i].numel();
       }
-      if (is_flat(strategy_)) {
-        space_of[{static_cast<int>(o), static_cast<int>(g)}] = static_cast<int>(spaces.size());
-        spaces.push_back(opt.flat_partition().groups.at(g));
-      }
+    }
+    first_space.push_back(static_cast<int>(spaces.size()));
+    if (is_flat(strategy_)) {
+      const auto& chunks = opt.flat_partition().chunks;
+      spaces.insert(spaces.end(), chunks.begin(), chunks.end());
     }
   }
   std::vector<ReducerParam> params;
@@ -88,8 +94,8 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
       if (strategy_ == ReduceStrategy::reduce_to_owner) {
         rp.owner = optimizers_[static_cast<std::size_t>(w.opt)]->owner(w.group, w.param);
       } else {
-        rp.space = space_of.at({w.opt, w.group});
         rp.flat_offset = start[static_cast<std::size_t>(w.opt)][static_cast<std::size_t>(w.group)][static_cast<std::size_t>(w.param)];
+        rp.space = space_of(w.opt, w.group, rp.flat_offset);
         auto [d, fresh] = space_dtype.emplace(rp.space, t.dtype());
         if (!fresh && d->second != t.dtype()) {
           return absl::InvalidArgumentError(absl::StrCat("ShardedDataParallel (flat): expected one dtype per param group, found ",
@@ -109,9 +115,9 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
         const oss::OwnedPiece& pc = owned[k];
         const Tensor& t = opt->param_group(static_cast<std::size_t>(pc.group)).params.at(static_cast<std::size_t>(pc.param));
         if (!t.requires_grad()) continue;
-        pieces.push_back({space_of.at({static_cast<int>(o), pc.group}),
-                          start[o][static_cast<std::size_t>(pc.group)][static_cast<std::size_t>(pc.param)] + pc.offset,
-                          pc.length, [opt, k](const Tensor& g) { opt->set_piece_grad(k, g); }});
+        const std::int64_t flat = start[o][static_cast<std::size_t>(pc.group)][static_cast<std::size_t>(pc.param)] + pc.offset;
+        pieces.push_back({space_of(static_cast<int>(o), pc.group, flat), flat, pc.length,
+                          [opt, k](const Tensor& g) { opt->set_piece_grad(k, g); }});
       }
     }
   }
@@ -202,6 +208,17 @@ absl::StatusOr<std::unique_ptr<ShardedDataParallel>> ShardedDataParallel::create
   const ReduceStrategy strategy = policy == oss::PartitionPolicy::greedy ? ReduceStrategy::reduce_to_owner
                                   : options.flat_reduce_scatter         ? ReduceStrategy::reduce_scatter
                                                                         : ReduceStrategy::flat_reduce_to_owner;
+  for (const oss::Oss* o : optimizers) {
+    const std::int64_t chunk = o->options().flat_chunk_numel;
+    if (strategy == ReduceStrategy::reduce_scatter && options.reduce_buffer_size > 0 &&
+        (chunk <= 0 || chunk > options.reduce_buffer_size)) {
+      SK_LOG(kWarning, "ShardedDataParallel: OSS flat chunks of ", chunk <= 0 ? "a whole param group" : absl::StrCat(chunk, " elements"),
+             " exceed reduce_buffer_size (", options.reduce_buffer_size,
+             "): a chunk is reduce-scattered only when all its gradients are ready, and they are held until then; "
+             "set OssOptions::flat_chunk_numel <= reduce_buffer_size (Note [flat chunks])");
+      break;
+    }
+  }
   std::unique_ptr<ShardedDataParallel> dp(
       new ShardedDataParallel(module, std::move(group), options, strategy, std::move(optimizers)));
   if (absl::Status s = dp->init(); !s.ok()) return s;

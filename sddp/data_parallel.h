@@ -51,8 +51,8 @@ struct DataParallelOptions {
   bool broadcast_buffers = true;
   // Broadcast parameters and buffers from rank 0 at construction.
   bool sync_models_at_startup = true;
-  // Bucket capacity in elements; 0 = no buckets (each parameter reduced alone; flat: one reduce_scatter
-  // per param group).
+  // Bucket capacity in elements; 0 = no buckets (each parameter reduced alone; flat reduce-scatter: one
+  // reduce_scatter per OSS chunk).
   std::int64_t reduce_buffer_size = std::int64_t{1} << 23;
   // Re-read requires_grad before each forward and rebuild the reducer when it changed.
   bool auto_refresh_trainable = true;
@@ -64,11 +64,12 @@ struct DataParallelOptions {
   int max_buckets_in_flight = 4;
   // Deadline of each collective; empty: the group's default.
   std::optional<absl::Duration> timeout = std::nullopt;
-  // OSS flat policy only. true: column buckets reduce-scattered into the owned slices (Note [column
-  // buckets]: padding-free reduce_scatter, but a column fills only when its rank-0 part is ready, so up to
-  // the whole model's gradients sit in bucket buffers during backward and less of the reduction overlaps).
-  // false: ready-order buckets of owner-aligned pieces reduced to their owner (DeepSpeed stage-2 style: the
-  // same bytes, buffers bounded by max_buckets_in_flight, reductions overlap like greedy).
+  // OSS flat policy only. true: each chunk of OSS's flat partition (Note [flat chunks]) is reduce-scattered
+  // straight into the owned slices (padding-free columns of at most reduce_buffer_size elements, Note
+  // [column buckets]); a chunk's columns fill together, so keep OssOptions::flat_chunk_numel at most
+  // reduce_buffer_size (a larger chunk is reduced only when all of it is ready, and held meanwhile: logged
+  // at construction). false: ready-order buckets of owner-aligned pieces reduced to their owner (DeepSpeed
+  // stage-2 style: the same bytes, any chunk size).
   bool flat_reduce_scatter = true;
 };
 
@@ -160,8 +161,9 @@ class DistributedDataParallel : public DataParallel {
 
 // ZeRO-2: each gradient goes to the rank whose Oss owns it. Every trainable parameter of the module must be
 // in exactly one of `optimizers` (all on `group`, all with the same partition policy). Greedy: buckets of
-// one owner, reduced to it; flat: column buckets reduce-scattered into the owned slices (Note [column
-// buckets] in bucketing.h), delivered with Oss::set_piece_grad (a flat param group must have one dtype).
+// one owner, reduced to it; flat: each OSS chunk's column buckets reduce-scattered into the owned slices
+// (Note [column buckets] in bucketing.h), delivered with Oss::set_piece_grad (a flat param group must have
+// one dtype).
 class ShardedDataParallel : public DataParallel {
  public:
   static absl::StatusOr<std::unique_ptr<ShardedDataParallel>> create(nn::Module& module,

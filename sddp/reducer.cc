@@ -50,7 +50,7 @@ Tensor flat_view(const Tensor& t, std::int64_t offset, std::int64_t length) { re
 // is reset so the next backward starts clean (the failed backward's callback does not run: the engine drops
 // its queue).
 
-Reducer::Reducer(ReduceStrategy strategy, std::vector<ReducerParam> params, std::vector<oss::FlatGroup> spaces,
+Reducer::Reducer(ReduceStrategy strategy, std::vector<ReducerParam> params, std::vector<oss::FlatChunk> spaces,
                  std::vector<FlatPiece> pieces, std::shared_ptr<comm::ProcessGroup> group, ReducerOptions options)
     : strategy_(strategy),
       params_(std::move(params)),
@@ -155,7 +155,7 @@ void Reducer::build_buckets(const std::vector<int>& order) {
     b.has_gaps = covered != b.numel;
     b.expected = static_cast<int>(b.entries.size());
     // Where this rank's output lands in its owned pieces.
-    const oss::FlatGroup& g = spaces_[static_cast<std::size_t>(c.space)];
+    const oss::FlatChunk& g = spaces_[static_cast<std::size_t>(c.space)];
     const std::int64_t lo = g.begin(rank_) + c.offset;
     add_outs(b, c.space, lo, std::min(lo + c.width, g.end(rank_)), 0);
     buckets_.push_back(std::move(b));
@@ -185,7 +185,7 @@ void Reducer::build_flat_owner_buckets(const std::vector<int>& position) {
   std::vector<Unit> units;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const ReducerParam& rp = params_[i];
-    const oss::FlatGroup& g = spaces_.at(static_cast<std::size_t>(rp.space));
+    const oss::FlatChunk& g = spaces_.at(static_cast<std::size_t>(rp.space));
     const std::int64_t fo = rp.flat_offset, fe = fo + rp.param.numel();
     for (int r = 0; r < world_; ++r) {
       const std::int64_t a = std::max(fo, g.begin(r)), z = std::min(fe, g.end(r));

@@ -5,14 +5,14 @@
 //   all_reduce       every rank ends with the averaged gradient of every parameter      (DDP)
 //   reduce_to_owner  each bucket holds gradients of one owner rank and is reduced to it;  (ShardedDDP, OSS
 //                    the other ranks release those gradients                              greedy)
-//   reduce_scatter   column buckets of the flat split (Note [column buckets]) are        (ShardedDDP, OSS
-//                    reduce-scattered straight into each rank's owned slices; full-size   flat; ZeRO-2)
-//                    gradients are released on every rank and the owned slices are
-//                    delivered through FlatPiece::deliver
+//   reduce_scatter   column buckets of each flat chunk (Note [column buckets], Note [flat   (ShardedDDP, OSS
+//                    chunks]) are reduce-scattered straight into each rank's owned slices;  flat; ZeRO-2)
+//                    full-size gradients are released on every rank and the owned slices
+//                    are delivered through FlatPiece::deliver
 //   flat_reduce_to_owner  flat split too, but ready-order buckets of parameter pieces cut at  (ShardedDDP, OSS
 //                    rank boundaries, each bucket reduced to its owner and delivered into     flat, DeepSpeed
-//                    the owned slices: bounded buffers and more overlap than columns, the     stage-2 style)
-//                    same bytes
+//                    the owned slices: the same bytes, buffers bounded whatever the chunk     stage-2 style)
+//                    size
 //
 // Backward, per synchronised backward (Note [reducer lifecycle] in reducer.cc):
 //   * a post-accumulate-grad hook per trainable parameter calls mark_ready(i): its gradient is copied into
@@ -78,8 +78,8 @@ struct ReducerParam {
   std::string name;
   Tensor param;
   int owner = -1;                // reduce_to_owner: the rank that keeps the reduced gradient
-  int space = -1;                // flat strategies: index of its flat space
-  std::int64_t flat_offset = 0;  // flat strategies: where it starts in that space
+  int space = -1;                // flat strategies: index of its flat space (a chunk of an OSS flat partition)
+  std::int64_t flat_offset = 0;  // flat strategies: where it starts in that chunk's group's index space
 };
 
 // reduce_scatter: one of this rank's owned slices of a flat space, [flat_offset, flat_offset + length).
@@ -120,9 +120,9 @@ struct ReductionStats {
 
 class Reducer {
  public:
-  // `spaces` (reduce_scatter): the flat split of each space; `pieces`: this rank's owned slices.
+  // `spaces` (flat strategies): the split of each flat space; `pieces`: this rank's owned slices.
   // Registers one post-accumulate-grad hook per parameter (removed with the Reducer).
-  Reducer(ReduceStrategy strategy, std::vector<ReducerParam> params, std::vector<oss::FlatGroup> spaces,
+  Reducer(ReduceStrategy strategy, std::vector<ReducerParam> params, std::vector<oss::FlatChunk> spaces,
           std::vector<FlatPiece> pieces, std::shared_ptr<comm::ProcessGroup> group, ReducerOptions options);
   ~Reducer();
   Reducer(const Reducer&) = delete;
@@ -204,7 +204,7 @@ class Reducer {
 
   ReduceStrategy strategy_;
   std::vector<ReducerParam> params_;
-  std::vector<oss::FlatGroup> spaces_;
+  std::vector<oss::FlatChunk> spaces_;
   std::vector<FlatPiece> pieces_;
   std::vector<Tensor> piece_grads_;
   std::shared_ptr<comm::ProcessGroup> pg_;

@@ -37,13 +37,16 @@ std::vector<std::vector<float>> Reference(const optim::OptimizerFactory& factory
 
 class OssGpt : public ::testing::TestWithParam<std::tuple<int, PartitionPolicy>> {};
 
+// Flat: chunks of at most this many elements, so GPT-tiny's group is cut into several (Note [flat chunks]).
+constexpr std::int64_t kChunk = 700;
+
 void RunAndCompare(int world, PartitionPolicy policy, const optim::OptimizerFactory& factory, double tol) {
   const auto want = Reference(factory);
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
     auto oss = Oss::create({{model.parameters(), optim::AdamW::default_hyper()}}, factory, env.group_ptr,
-                           {.policy = policy, .bucket_bytes = 4096});
+                           {.policy = policy, .bucket_bytes = 4096, .flat_chunk_numel = kChunk});
     if (!oss.ok()) return oss.status();
     const int rows = kBatch / world;
     for (int step = 0; step < kSteps; ++step) {

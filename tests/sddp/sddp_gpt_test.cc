@@ -47,7 +47,8 @@ struct Trainer {
       auto o = oss::Oss::create(groups, optim::AdamW::factory(), pg,
                                 {.policy = mode == Mode::sddp_flat || mode == Mode::sddp_flat_owner ? oss::PartitionPolicy::flat
                                                                                                     : oss::PartitionPolicy::greedy,
-                                 .bucket_bytes = 4096});
+                                 .bucket_bytes = 4096,
+                                 .flat_chunk_numel = options.reduce_buffer_size});
       if (!o.ok()) return o.status();
       t.oss = std::move(*o);
     }

@@ -28,6 +28,7 @@ const char* KindName(Kind k) {
 
 struct Measured {
   std::int64_t psi = 0;            // parameter elements
+  std::int64_t padded_psi = 0;     // flat: parameter elements with each chunk padded to world · shard size
   std::int64_t owned = 0;          // gradient elements this rank keeps
   std::int64_t largest = 0;        // largest parameter (elements)
   std::int64_t max_bucket = 0;     // largest bucket (elements)
@@ -62,7 +63,8 @@ std::vector<Measured> Measure(Kind kind, int world) {
       dp = std::move(*DistributedDataParallel::create(model, env.group_ptr, o));
     } else {
       auto created = oss::Oss::create(groups, optim::AdamW::factory(), env.group_ptr,
-                                      {.policy = kind == Kind::greedy ? oss::PartitionPolicy::greedy : oss::PartitionPolicy::flat});
+                                      {.policy = kind == Kind::greedy ? oss::PartitionPolicy::greedy : oss::PartitionPolicy::flat,
+                                       .flat_chunk_numel = kBucket});
       if (!created.ok()) return created.status();
       oss = std::move(*created);
       auto d = ShardedDataParallel::create(model, {oss.get()}, env.group_ptr, o);
@@ -95,6 +97,11 @@ std::vector<Measured> Measure(Kind kind, int world) {
                       mem.current(MemoryCategory::optimizer_state);
     }
     m.psi = model.num_parameters();
+    m.padded_psi = m.psi;
+    if (oss && kind != Kind::greedy) {
+      m.padded_psi = 0;
+      for (const oss::FlatChunk& c : oss->flat_partition().chunks) m.padded_psi += c.shard_size * world;
+    }
     for (const Tensor& p : model.parameters()) m.largest = std::max(m.largest, p.numel());
     for (const auto b : dp->bucket_numels()) m.max_bucket = std::max(m.max_bucket, b);
     for (const Tensor& g : dp->held_gradients()) m.owned += g.numel();
@@ -135,12 +142,12 @@ TEST_P(SddpMemory, GradientLedgerAndModelStateMatchZeroFormula) {
       EXPECT_EQ(m.owned, m.psi);
     }
     EXPECT_LE(m.grad_peak, (m.owned + 2 * m.largest) * 4) << "rank " << r;
-    if (kind == Kind::flat) {
-      // Column buckets (Note [column buckets]) take a part of every rank's range, so a column fills only when
-      // rank 0's early parameters (ready last) arrive: every column's buffer can be live at once. Bound: the
-      // whole model once, plus the outputs in flight.
-      EXPECT_LE(m.comm_peak, (m.psi + world * kInFlight * m.max_bucket) * 4) << "rank " << r;
+    if (kind == Kind::greedy || kind == Kind::flat_owner) {
+      // Buckets are per owner: up to one filling per owner rank, plus those in flight.
+      EXPECT_LE(m.comm_peak, (kInFlight + world) * m.max_bucket * 4) << "rank " << r;
     } else {
+      // One bucket filling (flat: a chunk's columns, chunk = bucket, Note [flat chunks]) plus those in
+      // flight, each with its reduce-scatter output.
       EXPECT_LE(m.comm_peak, (kInFlight + 1) * (m.max_bucket + m.max_bucket / std::max(1, world)) * 4) << "rank " << r;
     }
     EXPECT_NEAR(static_cast<double>(m.model_state), formula, 12.0 * static_cast<double>(m.largest) + 64) << "rank " << r;
@@ -150,7 +157,8 @@ TEST_P(SddpMemory, GradientLedgerAndModelStateMatchZeroFormula) {
 // DESIGN.md section 6: DDP, OSS and ShardedDDP send 2Ψ-class volume per rank per step (ring-equivalent
 // bytes counted by the ProcessGroup). Summed over ranks, one step sends exactly 2(n-1)·Ψ·4 bytes: DDP in its
 // all_reduces; ShardedDDP half in the gradient reductions (greedy: every rank sends the buckets it does not
-// own, Ψ - owned; flat: reduce_scatter (n-1)/n·Ψ) and half in OSS's parameter broadcast / all_gather.
+// own, Ψ - owned; flat: reduce_scatter (n-1)/n·Ψ) and half in OSS's parameter broadcast / all_gather (flat:
+// Ψ with each chunk's padding).
 TEST_P(SddpMemory, BytesSentPerStepAreTheTwoPsiVolume) {
   const auto [world, kind] = GetParam();
   const auto ms = Measure(kind, world);
@@ -162,13 +170,17 @@ TEST_P(SddpMemory, BytesSentPerStepAreTheTwoPsiVolume) {
     if (kind == Kind::greedy || kind == Kind::flat_owner) {
       EXPECT_EQ(m.grad_sent, (m.psi - m.owned) * 4) << "rank " << r;
     } else {
-      EXPECT_EQ(m.total_sent, 2 * (world - 1) * m.psi * 4 / world) << "rank " << r;
+      EXPECT_EQ(m.total_sent, 2 * (world - 1) * m.padded_psi * 4 / world) << "rank " << r;
     }
   }
-  const std::int64_t psi = ms[0].psi;
-  EXPECT_EQ(sum, 2 * (world - 1) * psi * 4);
+  // Flat collectives carry each chunk's padding (at most world - 1 elements per chunk): the flat
+  // reduce-scatter and the all_gather send the padded Ψ, reduce-to-owner sends no padding.
+  const std::int64_t psi = ms[0].psi, padded = ms[0].padded_psi;
+  EXPECT_LE(padded - psi, (world - 1) * 64) << "padding";
+  const std::int64_t grad_psi = kind == Kind::flat ? padded : psi;
+  EXPECT_EQ(sum, (world - 1) * (grad_psi + padded) * 4);
   if (kind != Kind::ddp) {
-    EXPECT_EQ(grad_sum, (world - 1) * psi * 4);
+    EXPECT_EQ(grad_sum, (world - 1) * grad_psi * 4);
   }
 }
 

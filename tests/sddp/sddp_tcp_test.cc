@@ -50,7 +50,8 @@ TEST(SddpTcp, GreedyFlatAndDdpOverTcpEqualSingleRankTraining) {
             dp = std::move(*d);
           } else {
             auto created = oss::Oss::create(groups, optim::AdamW::factory(), group,
-                                            {.policy = mode == 1 ? oss::PartitionPolicy::greedy : oss::PartitionPolicy::flat});
+                                            {.policy = mode == 1 ? oss::PartitionPolicy::greedy : oss::PartitionPolicy::flat,
+                                             .flat_chunk_numel = o.reduce_buffer_size});
             if (!created.ok()) return created.status();
             oss = std::move(*created);
             auto d = ShardedDataParallel::create(model, {oss.get()}, group, o);

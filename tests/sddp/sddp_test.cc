@@ -50,7 +50,7 @@ TEST(AssignBuckets, FollowsReadyOrderNotSizeAndKeepsKeysApart) {
 
 TEST(AssignColumns, EqualSegmentsCoverEveryRankRange) {
   // 3 params of 5, 7, 4 elements (total 16) over 3 ranks: shard 6, ranges [0,6) [6,12) [12,16).
-  const oss::FlatGroup g{16, 6};
+  const oss::FlatChunk g{.group = 0, .base = 0, .total = 16, .shard_size = 6};
   const std::vector<FlatMember> members{{0, 0, 5}, {1, 5, 7}, {2, 12, 4}};
   const auto cols = assign_columns(0, g, members, 3, 4);
   ASSERT_EQ(cols.size(), 2u);  // widths 4 and 2
@@ -73,6 +73,12 @@ TEST(AssignColumns, EqualSegmentsCoverEveryRankRange) {
     for (const auto& p : c.pieces) n += p.length;
   }
   EXPECT_EQ(n, 9);
+  // The same chunk starting at flat element 100 of its group (Note [flat chunks]) gives the same pieces.
+  const oss::FlatChunk later{.group = 0, .base = 100, .total = 16, .shard_size = 6};
+  const std::vector<FlatMember> moved{{0, 100, 5}, {1, 105, 7}, {2, 112, 4}};
+  const auto moved_cols = assign_columns(0, later, moved, 3, 4);
+  ASSERT_EQ(moved_cols.size(), cols.size());
+  for (std::size_t k = 0; k < cols.size(); ++k) EXPECT_EQ(moved_cols[k].pieces, cols[k].pieces);
 }
 
 // ---- construction ----

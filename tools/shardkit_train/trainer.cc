@@ -175,29 +175,41 @@ class OssRunner : public Runner {
   std::shared_ptr<comm::ProcessGroup> pg_;
   std::vector<Tensor> params_;
   Precision precision_;
-  // ZeRO-1's gradient reduction (Note [strategies in shardkit-train]): the full gradients are copied into
-  // one flat buffer laid out as the flat partition (padded to world x shard_size), reduce-scattered
-  // (averaged) so this rank receives exactly its range, and each owned piece reads its gradient from there
-  // (Oss::set_piece_grad). Sends (N-1)/N of the gradient bytes, against 2(N-1)/N for an all_reduce.
+  // ZeRO-1's gradient reduction (Note [strategies in shardkit-train]): per chunk of the flat partition
+  // (Note [flat chunks]), the full gradients are copied into a buffer laid out as the chunk (padded to
+  // world x shard_size), reduce-scattered (averaged) so this rank receives exactly its range, and each
+  // owned piece reads its gradient from there (Oss::set_piece_grad). Sends (N-1)/N of the gradient bytes,
+  // against 2(N-1)/N for an all_reduce.
   absl::Status reduce_scatter_grads() {
-    const oss::FlatGroup& g = opt_->flat_partition().groups.at(0);
+    const oss::FlatPartition& part = opt_->flat_partition();
     const int n = pg_->size(), r = pg_->rank();
     const DType dt = precision_ == Precision::bf16 ? DType::bf16 : DType::f32;
-    Tensor flat = Tensor::zeros({g.shard_size * n}, TensorOptions{}.with_dtype(dt).with_category(MemoryCategory::communication_buffer));
-    std::vector<std::int64_t> start;
+    std::vector<std::int64_t> start;  // flat offset of each parameter (one param group)
     std::int64_t off = 0;
     for (const Tensor& p : params_) {
       start.push_back(off);
-      if (p.grad().defined()) flat.view(off, {p.numel()}).copy_(p.grad().flatten());
       off += p.numel();
     }
-    Tensor mine = flat.view(r * g.shard_size, {g.shard_size});  // in place: slice r of the input
-    SKT_RETURN_IF_ERROR(pg_->reduce_scatter(mine, flat, {.op = comm::ReduceOp::avg(), .tag = "grads"})->wait());
+    std::vector<Tensor> mine(part.chunks.size());  // this rank's reduced range of each chunk
+    for (std::size_t c = 0; c < part.chunks.size(); ++c) {
+      const oss::FlatChunk& chunk = part.chunks[c];
+      if (chunk.total == 0) continue;
+      Tensor flat = Tensor::zeros({chunk.shard_size * n}, TensorOptions{}.with_dtype(dt).with_category(MemoryCategory::communication_buffer));
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const Tensor& g = params_[i].grad();
+        if (g.defined() && start[i] >= chunk.base && start[i] < chunk.base + chunk.total) {
+          flat.view(start[i] - chunk.base, {g.numel()}).copy_(g.flatten());
+        }
+      }
+      mine[c] = flat.view(r * chunk.shard_size, {chunk.shard_size});  // in place: slice r of the input
+      SKT_RETURN_IF_ERROR(pg_->reduce_scatter(mine[c], flat, {.op = comm::ReduceOp::avg(), .tag = "grads"})->wait());
+    }
     const auto& pieces = opt_->owned_pieces();
     for (std::size_t k = 0; k < pieces.size(); ++k) {
       const oss::OwnedPiece& piece = pieces[k];
-      const std::int64_t at = start.at(static_cast<std::size_t>(piece.param)) + piece.offset - r * g.shard_size;
-      opt_->set_piece_grad(k, mine.view(at, {piece.length}));
+      const std::int64_t flat = start.at(static_cast<std::size_t>(piece.param)) + piece.offset;
+      const auto c = static_cast<std::size_t>(part.chunk_of(0, flat));
+      opt_->set_piece_grad(k, mine[c].view(flat - part.chunks[c].begin(r), {piece.length}));
     }
     return absl::OkStatus();
   }
