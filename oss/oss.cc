@@ -124,13 +124,9 @@ void Oss::make_flat_buffer(std::size_t g) {
   }
   const MemoryCategory category = params.front().storage()->category();
   Tensor flat = Tensor::zeros({padded}, TensorOptions{}.with_dtype(params.front().dtype()).with_category(category));
-  std::size_t c = 0;  // the chunk holding the current parameter (chunks are runs of whole parameters)
   std::int64_t flat_offset = 0;
   for (const Tensor& p : params) {
-    for (;; ++c) {
-      const FlatChunk& ch = flat_.chunks[c];
-      if (ch.group == static_cast<int>(g) && flat_offset >= ch.base && flat_offset + p.numel() <= ch.base + ch.total) break;
-    }
+    const auto c = static_cast<std::size_t>(flat_.chunk_of(static_cast<int>(g), flat_offset));  // whole in it
     const Tensor home = flat.view(chunk_buffer_offset_[c] + flat_offset - flat_.chunks[c].base, p.shape());
     home.copy_(p);
     p.rebind(home);  // every handle of p now reads and writes the flat buffer

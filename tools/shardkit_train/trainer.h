@@ -9,8 +9,8 @@
 // Strategies (Note [strategies in shardkit-train]):
 //   ddp:  full AdamW on every rank; sddp::DistributedDataParallel all-reduces gradient buckets during
 //         backward (ZeRO-0: 16 bytes of model state per parameter on every rank).
-//   oss:  ZeRO-1: full gradients on every rank, copied into one flat buffer and reduce-scattered so each
-//         rank receives the average of the range it owns in the flat partition; oss::Oss steps that 1/N
+//   oss:  ZeRO-1: full gradients on every rank, copied into flat buffers (one per chunk of the flat
+//         partition) and reduce-scattered so each rank receives the average of the ranges it owns; oss::Oss steps that 1/N
 //         share of the optimizer state and all-gathers the updated parameters (2Psi elements sent per
 //         step, as DDP; the flat buffer costs 4Psi bytes of communication_buffer).
 //   sddp: sddp::ShardedDataParallel over the same Oss: gradient buckets are reduce-scattered into the owned
