@@ -61,11 +61,10 @@ struct OssOptions {
   std::optional<DType> broadcast_dtype = std::nullopt;
   // Flat policy: keep each param group's parameters in one contiguous buffer laid out as the flat index
   // space (each chunk padded to world · its shard size), so parameters are all-gathered in place with no
-  // copies. The
-  // parameters are re-bound (Tensor::rebind) into that buffer at construction: create the Oss before
-  // anything takes views of them. While it is built, a group's parameters are held twice (old storage and
-  // buffer). Used for groups whose parameters share one dtype, without
-  // broadcast_dtype; other groups take the chunked path. See Note [OSS parameter buckets].
+  // copies. The parameters are re-bound (Tensor::rebind) into that buffer at construction: create the Oss
+  // before anything takes views of them. While it is built, a group's parameters are held twice (old
+  // storage and buffer). Used for groups whose parameters share one dtype, without broadcast_dtype; other
+  // groups are all-gathered through a bucket. See Note [OSS parameter buckets].
   bool contiguous_flat = true;
   // Flat policy: each param group is cut into chunks of about this many elements, each split evenly over
   // the ranks (Note [flat chunks] in partition.h); <= 0: one chunk per group. With ShardedDataParallel's

@@ -107,12 +107,13 @@ std::vector<std::vector<float>> Reference(int world, const Scenario& sc, const o
 // The sharded run; returns every rank's final parameters.
 std::vector<std::vector<std::vector<float>>> Sharded(int world, const Scenario& sc, PartitionPolicy policy,
                                                      const optim::OptimizerFactory& factory,
-                                                     std::int64_t bucket_bytes = 64) {
+                                                     OssOptions options = {.bucket_bytes = 64}) {
+  options.policy = policy;
   std::vector<std::vector<std::vector<float>>> result(static_cast<std::size_t>(world));
   absl::Status st = RunRanks(world, [&](RankEnv& env) -> absl::Status {
     std::vector<Tensor> params = MakeParams(kShapes, 7);
     auto oss = Oss::create({optim::ParamGroup{params, optim::AdamW::default_hyper()}}, factory, env.group_ptr,
-                           {.policy = policy, .bucket_bytes = bucket_bytes});
+                           options);
     if (!oss.ok()) return oss.status();
     Oss& o = **oss;
     const optim::HyperParams base = o.param_group(0).hyper;
@@ -181,6 +182,24 @@ TEST_P(OssEquivalence, MidRunChangesEqualSingleRank) {
   const auto want = Reference(world, sc, optim::AdamW::factory());
   const auto got = Sharded(world, sc, policy, optim::AdamW::factory());
   for (int r = 0; r < world; ++r) ExpectClose(got[static_cast<std::size_t>(r)], want, "rank " + std::to_string(r));
+}
+
+// Note [flat chunks]: chunks of 16 elements cut the group (and the group added mid-run) into several, each
+// split over every rank; parameters in the contiguous buffer (all-gathered in place per chunk) or not
+// (through a bucket).
+TEST(OssFlatChunks, EqualSingleRankContiguousOrNot) {
+  Scenario sc{.steps = 12, .add_group_at_5 = true, .change_lr_at_8 = true, .freeze_param_1_from_10_to_14 = true};
+  for (const int world : {2, 3, 4}) {
+    const auto want = Reference(world, sc, optim::AdamW::factory());
+    for (const bool contiguous : {true, false}) {
+      const auto got = Sharded(world, sc, PartitionPolicy::flat, optim::AdamW::factory(),
+                               {.bucket_bytes = 64, .contiguous_flat = contiguous, .flat_chunk_numel = 16});
+      for (int r = 0; r < world; ++r) {
+        ExpectClose(got[static_cast<std::size_t>(r)], want,
+                    "n=" + std::to_string(world) + " rank " + std::to_string(r) + (contiguous ? " contiguous" : " bucketed"));
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, OssEquivalence,
