@@ -1,0 +1,251 @@
+#include "fsdp/fully_shard.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/autograd/engine.h"
+#include "common/autograd/hooks.h"
+#include "common/base/check.h"
+
+namespace shardkit::fsdp {
+
+using nn::TensorList;
+
+struct FullyShardedModel::Unit {
+  std::string name;
+  nn::Module* module = nullptr;
+  bool is_root = false;
+  std::vector<Tensor> params;          // trainable parameters, each a view of `full`
+  std::vector<std::int64_t> offsets;   // where each starts in `full`
+  std::int64_t numel = 0;              // parameter elements (unpadded)
+  std::int64_t shard_size = 0;         // S
+  Tensor full;                         // world · S elements; released at rest
+  Tensor shard;                        // this rank's S elements: the leaf the optimizer steps
+  bool unsharded = true;
+  // per backward
+  int ready = 0;
+  bool reduced = false;
+  std::vector<autograd::HookHandle> hooks;           // forward hooks and post-accumulate-grad hooks
+  std::vector<autograd::HookHandle> output_hooks;    // pre-backward hooks on this forward's outputs
+};
+
+// Note [fsdp units and flat shards]
+// A unit's trainable parameters live in one flat buffer (as OSS's contiguous flat policy, Note [flat
+// chunks] in oss/partition.h: one chunk per unit), so unsharding is one all_gather straight into the
+// parameters' bytes and the gradient reduction is one reduce_scatter whose output is exactly the shard's
+// gradient. The flat buffer's Storage is released at rest and reallocated to unshard: every view (the
+// module's parameters, and the tensors autograd saved for backward) sees the new bytes, so nothing is
+// re-bound per pass. The shard is a separate tensor, so the optimizer's state is sized by the shard.
+
+std::vector<nn::Module*> modules_of_type(nn::Module& root, const std::string& type) {
+  std::vector<nn::Module*> out;
+  for (const auto& [name, m] : root.named_modules()) {
+    if (m != &root && m->type_name() == type) out.push_back(m);
+  }
+  return out;
+}
+
+FullyShardedModel::FullyShardedModel(std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options)
+    : pg_(std::move(group)), options_(std::move(options)) {}
+
+FullyShardedModel::~FullyShardedModel() = default;
+
+absl::Duration FullyShardedModel::timeout() const { return options_.timeout.value_or(pg_->default_timeout()); }
+
+absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn::Module& root,
+                                                                          std::shared_ptr<comm::ProcessGroup> group,
+                                                                          FullyShardOptions options) {
+  std::unique_ptr<FullyShardedModel> m(new FullyShardedModel(std::move(group), std::move(options)));
+  const int world = m->pg_->size(), rank = m->pg_->rank();
+  std::map<const nn::Module*, std::string> module_names;
+  for (const auto& [name, mod] : root.named_modules()) module_names[mod] = name;
+
+  // Assign parameters: listed units first (in order), then the root. A shared parameter goes to the first.
+  std::map<const TensorImpl*, bool> claimed;
+  std::vector<nn::Module*> order = m->options_.units;
+  order.push_back(&root);
+  for (nn::Module* mod : order) {
+    auto it = module_names.find(mod);
+    if (mod == nullptr || it == module_names.end() || (mod != &root && it->second.empty())) {
+      return absl::InvalidArgumentError("fully_shard: expected every unit to be a submodule of the root");
+    }
+    auto u = std::make_unique<Unit>();
+    u->name = it->second;
+    u->module = mod;
+    u->is_root = mod == &root;
+    for (const auto& [pname, p] : mod->named_parameters()) {
+      if (!p.requires_grad() || claimed.count(p.id()) != 0) continue;
+      if (p.dtype() != DType::f32) {
+        return absl::InvalidArgumentError(absl::StrCat("fully_shard: expected f32 parameters, found ",
+                                                       std::string(dtype_name(p.dtype())), " for '",
+                                                       u->name.empty() ? pname : absl::StrCat(u->name, ".", pname), "'"));
+      }
+      claimed[p.id()] = true;
+      u->offsets.push_back(u->numel);
+      u->params.push_back(p);
+      u->numel += p.numel();
+    }
+    if (u->numel == 0) continue;
+    u->shard_size = (u->numel + world - 1) / world;
+    const TensorOptions param_opts = TensorOptions{}.with_category(MemoryCategory::parameter);
+    u->full = Tensor::zeros({u->shard_size * world}, param_opts);
+    for (std::size_t i = 0; i < u->params.size(); ++i) {
+      const Tensor home = u->full.view(u->offsets[i], u->params[i].shape());
+      home.copy_(u->params[i]);
+      u->params[i].rebind(home);  // the module's parameter now reads and writes the flat buffer
+    }
+    if (m->options_.sync_module_states && world > 1) {
+      if (absl::Status s = m->pg_->broadcast(u->full, {.root = 0, .timeout = m->timeout(), .tag = "fsdp sync"})->wait();
+          !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("fully_shard: startup broadcast failed: ", s.message()));
+      }
+    }
+    u->shard = Tensor::empty({u->shard_size}, param_opts);
+    u->shard.copy_(u->full.view(rank * u->shard_size, {u->shard_size}));
+    u->shard.set_requires_grad(true);
+    m->units_.push_back(std::move(u));
+  }
+
+  // Hooks (Note [fsdp units and flat shards]).
+  FullyShardedModel* self = m.get();
+  for (auto& owned : m->units_) {
+    Unit* u = owned.get();
+    u->hooks.push_back(u->module->register_forward_pre_hook(
+        [self, u](nn::Module&, const TensorList&) -> std::optional<TensorList> {
+          // A new forward of the whole model: pre-backward hooks of a forward that no backward followed are stale.
+          if (u->is_root && !self->in_backward_) {
+            for (auto& other : self->units_) other->output_hooks.clear();
+          }
+          if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
+          return std::nullopt;
+        }));
+    u->hooks.push_back(u->module->register_forward_hook(
+        [self, u](nn::Module&, const TensorList&, const TensorList& outputs) -> std::optional<TensorList> {
+          const bool grad_follows = std::any_of(outputs.begin(), outputs.end(),
+                                                [](const Tensor& t) { return t.defined() && t.requires_grad(); });
+          if (!grad_follows || (!u->is_root && self->options_.reshard_after_forward)) {
+            self->reshard_unit(*u);  // (no gradient follows: no backward will need these parameters)
+          }
+          if (!grad_follows) return std::nullopt;
+          for (const Tensor& t : outputs) {
+            if (!t.defined() || !t.requires_grad()) continue;
+            u->output_hooks.push_back(autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
+              self->ensure_final_callback();
+              if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
+              return std::nullopt;
+            }));
+          }
+          return std::nullopt;
+        }));
+    for (const Tensor& p : u->params) {
+      u->hooks.push_back(autograd::register_post_accumulate_grad_hook(p, [self, u](const Tensor&) { self->on_grad_ready(*u); }));
+    }
+    m->reshard_unit(*u);  // at rest: shards only
+  }
+  return m;
+}
+
+std::vector<Tensor> FullyShardedModel::parameters() const {
+  std::vector<Tensor> out;
+  for (const auto& u : units_) out.push_back(u->shard);
+  return out;
+}
+
+std::size_t FullyShardedModel::num_units() const { return units_.size(); }
+std::string FullyShardedModel::unit_name(std::size_t u) const { return units_.at(u)->name; }
+std::int64_t FullyShardedModel::unit_numel(std::size_t u) const { return units_.at(u)->numel; }
+
+std::int64_t FullyShardedModel::shard_numel() const {
+  std::int64_t n = 0;
+  for (const auto& u : units_) n += u->shard_size;
+  return n;
+}
+
+absl::Status FullyShardedModel::unshard_unit(Unit& u) {
+  if (u.unsharded) return absl::OkStatus();
+  u.full.reallocate_storage();
+  u.unsharded = true;
+  return pg_->all_gather(u.full, u.shard, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", u.name)})->wait();
+}
+
+void FullyShardedModel::reshard_unit(Unit& u) {
+  if (!u.unsharded) return;
+  u.full.release_storage();
+  u.unsharded = false;
+}
+
+absl::Status FullyShardedModel::unshard() {
+  for (auto& u : units_) {
+    if (absl::Status s = unshard_unit(*u); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+void FullyShardedModel::reshard() {
+  for (auto& u : units_) reshard_unit(*u);
+}
+
+void FullyShardedModel::ensure_final_callback() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  for (auto& u : units_) {
+    u->ready = 0;
+    u->reduced = false;
+  }
+  autograd::queue_callback([this] {
+    try {
+      finalize_backward();
+    } catch (...) {
+      in_backward_ = false;
+      throw;
+    }
+  });
+}
+
+void FullyShardedModel::on_grad_ready(Unit& u) {
+  ensure_final_callback();
+  if (++u.ready == static_cast<int>(u.params.size())) reduce_unit(u);
+}
+
+void FullyShardedModel::reduce_unit(Unit& u) {
+  const int world = pg_->size();
+  Tensor flat = Tensor::zeros({u.shard_size * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+  for (std::size_t i = 0; i < u.params.size(); ++i) {
+    const Tensor g = u.params[i].grad();
+    if (!g.defined()) continue;
+    flat.view(u.offsets[i], {g.numel()}).copy_(g.reshape({g.numel()}));
+    u.params[i].set_grad(Tensor());  // the full gradient is released once it is in the bucket
+  }
+  Tensor out = Tensor::empty({u.shard_size}, TensorOptions{}.with_category(MemoryCategory::gradient));
+  if (absl::Status s = pg_->reduce_scatter(out, flat, {.op = comm::ReduceOp::avg(), .timeout = timeout(),
+                                                       .tag = absl::StrCat("fsdp grads ", u.name)})
+                           ->wait();
+      !s.ok()) {
+    throw FsdpError(std::move(s));
+  }
+  if (const Tensor acc = u.shard.grad(); acc.defined()) {  // accumulation over several backwards
+    float* a = acc.data<float>();
+    const float* o = out.data<float>();
+    for (std::int64_t k = 0; k < u.shard_size; ++k) a[k] += o[k];
+  } else {
+    u.shard.set_grad(out);
+  }
+  u.reduced = true;
+  reshard_unit(u);
+}
+
+void FullyShardedModel::finalize_backward() {
+  // Units not reduced from a hook (some parameter got no gradient): every rank reduces them, in unit order.
+  for (auto& u : units_) {
+    if (!u->reduced) reduce_unit(*u);
+  }
+  for (auto& u : units_) {
+    u->output_hooks.clear();
+    reshard_unit(*u);
+  }
+  in_backward_ = false;
+}
+
+}  // namespace shardkit::fsdp

@@ -1,0 +1,116 @@
+// FullyShardedModel: fully sharded data parallel (ZeRO-3, DESIGN.md section 5), first slice.
+//
+// A model is cut into *units*: each module listed in FullyShardOptions::units (its parameters not claimed by
+// an earlier unit) and the root (every trainable parameter left). Each unit's trainable parameters are laid
+// out in one flat buffer of world · S elements (S = ceil(unit numel / world)), the parameters re-bound
+// (Tensor::rebind) as views of it, and rank r keeps elements [r·S, (r+1)·S) in its *shard*, a 1-D leaf
+// tensor that the optimizer steps. At rest the flat buffer's bytes are released: a rank holds Ψ/N
+// parameter elements (+ padding). Per pass, each unit costs one all_gather and one reduce_scatter:
+//
+//   forward pre-hook   unshard: reallocate the flat buffer, all_gather the shards into it (wait)
+//   forward hook       non-root units with reshard_after_forward: release the buffer again; on the unit's
+//                      outputs that require grad, a tensor hook that unshards before the unit's backward
+//   post-accumulate    when every trainable parameter of a unit has its gradient: copy them into a flat
+//   grad hooks         buffer (zeros for missing ones and padding), reduce_scatter (average) into the
+//                      shard's .grad (added to a gradient already there: accumulation), release the full
+//                      gradients, reshard
+//   final callback     (queued by the first hook of a backward) reduces every unit that is not reduced yet
+//                      (a parameter that got no gradient counts as zeros; every rank issues every
+//                      reduce_scatter, in unit order after the ready-order ones), reshards all units
+//
+// Differences from PyTorch FSDP2, on purpose or not yet done (see the closing notes):
+//   * the optimizer is built from parameters() (one flat shard per unit), not model.parameters();
+//   * units hold f32 parameters; frozen parameters (requires_grad false at construction) are not sharded and
+//     stay replicated, and a parameter frozen or unfrozen later is not handled;
+//   * no prefetch, mixed precision, CPU offload, no_sync, or state dict helpers yet; unshard()/reshard()
+//     bring every unit's full parameters back (e.g. to read or save them) and release them.
+//
+// Errors: a failed collective inside a hook throws FsdpError (propagates out of forward or
+// autograd::backward; autograd::try_backward returns it as a Status). Thread-safety: one rank's thread.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/comm/process_group.h"
+#include "common/nn/module.h"
+#include "common/tensor/tensor.h"
+
+namespace shardkit::fsdp {
+
+class FsdpError : public std::runtime_error {
+ public:
+  explicit FsdpError(absl::Status status)
+      : std::runtime_error(std::string(status.message())), status_(std::move(status)) {}
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+struct FullyShardOptions {
+  // Submodules of the root that become units, innermost first: a parameter belongs to the first listed
+  // module that holds it, and to the root when none does (a shared parameter: list the common ancestor).
+  std::vector<nn::Module*> units = {};
+  // Release non-root units' full parameters after forward (all-gathered again before their backward).
+  // false keeps them from forward to the end of backward: less communication, more memory.
+  bool reshard_after_forward = true;
+  // Broadcast rank 0's parameters at construction, so every rank starts from the same model.
+  bool sync_module_states = true;
+  // Deadline of each collective; empty: the group's default.
+  std::optional<absl::Duration> timeout = std::nullopt;
+};
+
+// The modules of `root` (root excluded) whose type_name() is `type`, in module order (a wrap policy by
+// module type, e.g. "TransformerBlock").
+std::vector<nn::Module*> modules_of_type(nn::Module& root, const std::string& type);
+
+class FullyShardedModel {
+ public:
+  // Shards `root` over `group`. InvalidArgument: a unit that is not a submodule of root, a non-f32 trainable
+  // parameter, a failed startup broadcast. Collective (the broadcast).
+  static absl::StatusOr<std::unique_ptr<FullyShardedModel>> create(nn::Module& root,
+                                                                   std::shared_ptr<comm::ProcessGroup> group,
+                                                                   FullyShardOptions options = {});
+  ~FullyShardedModel();
+  FullyShardedModel(const FullyShardedModel&) = delete;
+  FullyShardedModel& operator=(const FullyShardedModel&) = delete;
+
+  // What the optimizer steps: this rank's shard of each unit (1-D, f32, requires grad), in unit order.
+  std::vector<Tensor> parameters() const;
+  // Every unit's full parameters all-gathered into the module (e.g. to read, evaluate or save them), until
+  // reshard(). Collective.
+  absl::Status unshard();
+  void reshard();
+
+  std::size_t num_units() const;
+  // Unit u: its fully qualified module name ("" for the root) and its parameter elements (unpadded).
+  std::string unit_name(std::size_t u) const;
+  std::int64_t unit_numel(std::size_t u) const;
+  // Elements of this rank's shards (padding included): Ψ/N within (world - 1) per unit.
+  std::int64_t shard_numel() const;
+
+ private:
+  struct Unit;
+  FullyShardedModel(std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options);
+  absl::Status unshard_unit(Unit& u);
+  void reshard_unit(Unit& u);
+  void on_grad_ready(Unit& u);
+  void reduce_unit(Unit& u);
+  void ensure_final_callback();
+  void finalize_backward();
+  absl::Duration timeout() const;
+
+  std::shared_ptr<comm::ProcessGroup> pg_;
+  FullyShardOptions options_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  bool in_backward_ = false;
+};
+
+}  // namespace shardkit::fsdp

@@ -1,0 +1,164 @@
+// FullyShardedModel (ZeRO-3): equivalence with single-rank training on GPT-tiny, the per-rank ledger
+// against the ZeRO-3 formula, and errors.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/autograd/grad_mode.h"
+#include "common/comm/testing/run_ranks.h"
+#include "fsdp/fully_shard.h"
+#include "gmock/gmock.h"
+#include "tests/testing/gpt_tiny_data.h"
+
+namespace shardkit::fsdp {
+namespace {
+
+using gpt_tiny::Batch;
+using gpt_tiny::kBatch;
+using gpt_tiny::TinyConfig;
+
+struct Case {
+  int world;
+  bool reshard_after_forward;
+};
+
+// Trains GPT-tiny for `steps` steps on `world` ranks (each on its rows) with every TransformerBlock a unit;
+// returns every rank's final parameters (unsharded).
+std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
+  std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(c.world));
+  absl::Status st = comm::RunRanks(c.world, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(
+        model, env.group_ptr,
+        {.units = modules_of_type(model, "TransformerBlock"), .reshard_after_forward = c.reshard_after_forward});
+    if (!fs.ok()) return fs.status();
+    auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+    if (!opt.ok()) return opt.status();
+    const int rows = kBatch / c.world;
+    for (int step = 0; step < steps; ++step) {
+      auto [x, y] = Batch(step, env.rank * rows, rows);
+      (*opt)->zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      (*opt)->step();
+    }
+    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+    (*fs)->reshard();
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+  return got;
+}
+
+class FsdpGpt : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+// 20 steps of AdamW: every rank ends equal to one rank trained on the whole batch (fp32 reduction order
+// tolerance, as the OSS and ShardedDDP equivalence tests), and all ranks bit-identical.
+TEST_P(FsdpGpt, EqualsSingleRankOnTheWholeBatch) {
+  const auto [world, reshard] = GetParam();
+  static const auto want = gpt_tiny::Reference(20);
+  gpt_tiny::ExpectMatches(TrainSharded({world, reshard}, 20), want, 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, FsdpGpt, ::testing::Combine(::testing::Values(1, 2, 3, 4, 8), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<1>(info.param) ? "reshard" : "keep") + "_n" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+// DESIGN.md section 6, ZeRO-3 (fp32 + Adam): 16Ψ/N bytes of model state per rank. Exactly: parameters,
+// gradients and the two Adam moments are each the rank's shards (Ψ/N plus at most world - 1 padding elements
+// per unit). During forward, at most the root unit and one block unit are unsharded at a time.
+TEST(FsdpMemory, LedgerAtRestIsTheZero3Formula) {
+  for (const int world : {2, 4}) {
+    absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+      MemoryTracker& mem = *env.context.memory;
+      std::unique_ptr<nn::GPT> model;
+      {
+        MemoryCategoryScope params(MemoryCategory::parameter);
+        model = std::make_unique<nn::GPT>(TinyConfig(), 1);
+      }
+      const std::int64_t psi = model->num_parameters();
+      std::int64_t largest_block = 0;
+      for (nn::Module* b : modules_of_type(*model, "TransformerBlock")) largest_block = std::max(largest_block, b->num_parameters());
+      auto fs = FullyShardedModel::create(*model, env.group_ptr, {.units = modules_of_type(*model, "TransformerBlock")});
+      if (!fs.ok()) return fs.status();
+      const std::int64_t shard = (*fs)->shard_numel();
+      const std::int64_t units = static_cast<std::int64_t>((*fs)->num_units());
+      EXPECT_GE(shard * world, psi);
+      EXPECT_LE(shard * world, psi + units * (world - 1));
+      EXPECT_EQ(mem.current(MemoryCategory::parameter), shard * 4) << "at rest: the shards only";
+      std::unique_ptr<optim::Optimizer> opt;
+      {
+        MemoryCategoryScope cat(MemoryCategory::optimizer_state);
+        opt = std::move(*optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}}));
+      }
+      const int rows = kBatch / world;
+      for (int step = 0; step < 2; ++step) {
+        auto [x, y] = Batch(step, env.rank * rows, rows);
+        opt->zero_grad();
+        mem.reset_peaks();
+        Tensor loss = model->loss(x, y);
+        const std::int64_t param_peak_forward = mem.peak(MemoryCategory::parameter);
+        if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
+        const std::int64_t root = (*fs)->unit_numel(static_cast<std::size_t>(units - 1));  // the root is the last unit
+        EXPECT_LE(param_peak_forward, (shard + root + largest_block + 2 * (world - 1)) * 4) << "forward peak";
+        EXPECT_EQ(mem.current(MemoryCategory::parameter), shard * 4) << "after backward: resharded";
+        EXPECT_EQ(mem.current(MemoryCategory::gradient), shard * 4) << "after backward: sharded gradients only";
+        EXPECT_EQ(mem.current(MemoryCategory::communication_buffer), 0);
+        {
+          MemoryCategoryScope cat(MemoryCategory::optimizer_state);
+          opt->step();
+        }
+      }
+      const std::int64_t model_state = mem.current(MemoryCategory::parameter) + mem.current(MemoryCategory::gradient) +
+                                       mem.current(MemoryCategory::optimizer_state);
+      EXPECT_EQ(mem.current(MemoryCategory::optimizer_state), 2 * shard * 4) << "Adam moments of the shards";
+      EXPECT_EQ(model_state, 16 * shard);
+      if (env.rank == 0) {
+        std::printf("fsdp n=%d: model state %lld B per rank vs 16Ψ/N = %.0f B (%.4f); DDP would hold %lld B\n", world,
+                    static_cast<long long>(model_state), 16.0 * static_cast<double>(psi) / world,
+                    static_cast<double>(model_state) / (16.0 * static_cast<double>(psi) / world),
+                    static_cast<long long>(16 * psi));
+      }
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(st.ok()) << st;
+  }
+}
+
+// Evaluation without gradients leaves every unit resharded and sends one all_gather per unit.
+TEST(FsdpEval, NoGradForwardReshardsEveryUnit) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    MemoryTracker& mem = *env.context.memory;
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    const std::int64_t at_rest = mem.current(MemoryCategory::parameter);
+    auto [x, y] = Batch(0, 0, 2);
+    {
+      autograd::NoGradGuard no_grad;
+      Tensor loss = model.loss(x, y);
+      EXPECT_TRUE(std::isfinite(loss.item()));
+    }
+    EXPECT_EQ(mem.current(MemoryCategory::parameter), at_rest);
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST(FsdpErrors, UnitOutsideTheRootIsRefused) {
+  absl::Status st = comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1), other(TinyConfig(), 2);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = {other.blocks.get()}});
+    EXPECT_EQ(fs.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(fs.status().message()), ::testing::HasSubstr("submodule of the root"));
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+}  // namespace
+}  // namespace shardkit::fsdp
