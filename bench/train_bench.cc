@@ -9,11 +9,13 @@
 // data) on every rank:
 //   oss_greedy / oss_flat     DistributedDataParallel + oss::Oss (ZeRO-1)
 //   sddp_greedy / sddp_flat   ShardedDataParallel + oss::Oss (ZeRO-2: reduce to owner / reduce-scatter)
+//   fsdp                      fsdp::FullyShardedModel, every TransformerBlock a unit, AdamW on the shards
+//                             (ZeRO-3)
 // The reported time is the strategy's step (rank 0's wall time; every rank is synchronised by the
 // collectives); counters:
 //   vs_ddp              strategy step time / DDP step time (goals: OSS <= 1.05, ShardedDDP <= 1.0)
 //   overlap_frac        share of gradient bytes whose reduction was issued before the backward's last
-//                       gradient was ready (sddp ReductionStats; goal >= 0.7)
+//                       gradient was ready (sddp ReductionStats; goal >= 0.7; not reported for fsdp)
 //   ddp_step_ms         the DDP step
 //   <category>_peak_B   rank 0's peak bytes per ledger category during the strategy's steps
 //   ddp_optimizer_state_peak_B   the same for DDP, to compare
@@ -27,6 +29,7 @@
 #include "common/comm/testing/run_ranks.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
+#include "fsdp/fully_shard.h"
 #include "oss/oss.h"
 #include "sddp/data_parallel.h"
 
@@ -51,7 +54,7 @@ std::pair<Tensor, Tensor> Batch(const nn::GPTConfig& c, int rank, int step) {
   return {Tensor::from_int64(x, {kBatchPerRank, kSeq}), Tensor::from_int64(y, {kBatchPerRank, kSeq})};
 }
 
-enum class Strategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat };
+enum class Strategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat, fsdp };
 
 // Forward and backward through a data-parallel wrapper (which reduces the gradients during backward).
 absl::Status ForwardBackward(nn::GPT& model, sddp::DataParallel& dp, int rank, int step) {
@@ -62,7 +65,8 @@ absl::Status ForwardBackward(nn::GPT& model, sddp::DataParallel& dp, int rank, i
 }
 
 void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
-  const bool sharded_grads = strategy == Strategy::sddp_greedy || strategy == Strategy::sddp_flat;
+  const bool sharded_grads =
+      strategy == Strategy::sddp_greedy || strategy == Strategy::sddp_flat || strategy == Strategy::fsdp;
   const oss::PartitionPolicy policy = strategy == Strategy::oss_greedy || strategy == Strategy::sddp_greedy
                                           ? oss::PartitionPolicy::greedy
                                           : oss::PartitionPolicy::flat;
@@ -80,6 +84,8 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
     std::unique_ptr<optim::Optimizer> ddp_opt;
     std::unique_ptr<oss::Oss> oss_opt;
     std::unique_ptr<sddp::DataParallel> ddp_wrap, oss_wrap;
+    std::unique_ptr<fsdp::FullyShardedModel> fsdp_model;
+    std::unique_ptr<optim::Optimizer> fsdp_opt;
     {
       RankContextScope scope(ddp_ctx);
       MemoryCategoryScope params(MemoryCategory::parameter);
@@ -93,6 +99,20 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
       RankContextScope scope(oss_ctx);
       MemoryCategoryScope params(MemoryCategory::parameter);
       oss_model = std::make_unique<nn::GPT>(config, 1);
+    }
+    if (strategy == Strategy::fsdp) {
+      RankContextScope scope(oss_ctx);
+      auto f = fsdp::FullyShardedModel::create(*oss_model, env.group_ptr,
+                                               {.units = fsdp::modules_of_type(*oss_model, "TransformerBlock")});
+      if (!f.ok()) return f.status();
+      fsdp_model = std::move(*f);
+      MemoryCategoryScope cat(MemoryCategory::optimizer_state);
+      auto o = optim::AdamW::factory()({{fsdp_model->parameters(), optim::AdamW::default_hyper()}});
+      if (!o.ok()) return o.status();
+      fsdp_opt = std::move(*o);
+    } else {
+      RankContextScope scope(oss_ctx);
+      MemoryCategoryScope params(MemoryCategory::parameter);
       auto o = oss::Oss::create({{oss_model->parameters(), optim::AdamW::default_hyper()}},
                                 optim::AdamW::factory(), env.group_ptr,
                                 {.policy = policy, .flat_chunk_numel = kFlatChunk});
@@ -128,7 +148,17 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
       if (absl::Status s = env.group.barrier()->wait(); !s.ok()) return s;
       auto t1 = clock::now();
       const std::int64_t sent_before = env.group.counters().total_sent();
-      {
+      if (fsdp_model) {
+        RankContextScope scope(oss_ctx);
+        auto [x, y] = Batch(config, env.rank, step);
+        fsdp_opt->zero_grad();
+        {
+          MemoryCategoryScope activations(MemoryCategory::activation);
+          if (absl::Status s = autograd::try_backward(oss_model->loss(x, y)); !s.ok()) return s;
+        }
+        MemoryCategoryScope cat(MemoryCategory::optimizer_state);
+        fsdp_opt->step();
+      } else {
         RankContextScope scope(oss_ctx);
         if (absl::Status s = ForwardBackward(*oss_model, *oss_wrap, env.rank, step); !s.ok()) return s;
         if (absl::Status s = oss_opt->step(); !s.ok()) return s;
@@ -139,7 +169,7 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
         ddp_seconds += std::chrono::duration<double>(t1 - t0).count();
         strategy_seconds += std::chrono::duration<double>(t2 - t1).count();
         sent_per_step = env.group.counters().total_sent() - sent_before;
-        overlap_sum += oss_wrap->last_backward_stats().overlap_frac();
+        if (oss_wrap) overlap_sum += oss_wrap->last_backward_stats().overlap_frac();
         state.SetIterationTime(std::chrono::duration<double>(t2 - t1).count());
       }
       return absl::OkStatus();
@@ -181,7 +211,8 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
   }
   state.counters["ddp_optimizer_state_peak_B"] = static_cast<double>(ddp_mem.peak_of(MemoryCategory::optimizer_state));
   state.counters["optimizer_state_formula_B"] = 8.0 * static_cast<double>(psi) / world;
-  state.counters["overlap_frac"] = overlap_sum / n;
+  if (strategy != Strategy::fsdp) state.counters["overlap_frac"] = overlap_sum / n;
+  if (strategy == Strategy::fsdp) state.counters["parameter_formula_B"] = 4.0 * static_cast<double>(psi) / world;
   // Gradient bytes after backward: DDP-class 4Ψ; ShardedDDP 4Ψ/N (DESIGN.md section 6).
   state.counters["gradient_formula_B"] = 4.0 * static_cast<double>(psi) / (sharded_grads ? world : 1);
   state.counters["sent_B_per_rank"] = static_cast<double>(sent_per_step);
@@ -192,7 +223,8 @@ void RegisterAll() {
   const std::pair<Strategy, const char*> strategies[] = {{Strategy::oss_greedy, "oss_greedy"},
                                                          {Strategy::oss_flat, "oss_flat"},
                                                          {Strategy::sddp_greedy, "sddp_greedy"},
-                                                         {Strategy::sddp_flat, "sddp_flat"}};
+                                                         {Strategy::sddp_flat, "sddp_flat"},
+                                                         {Strategy::fsdp, "fsdp"}};
   for (int world : {2, 4}) {
     for (const auto& [strategy, label] : strategies) {
       const std::string name = std::string(label) + "/gpt-10m/n" + std::to_string(world);

@@ -114,9 +114,8 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
     Unit* u = owned.get();
     u->hooks.push_back(u->module->register_forward_pre_hook(
         [self, u](nn::Module&, const TensorList&) -> std::optional<TensorList> {
-          // A new forward of the whole model: pre-backward hooks of a forward that no backward followed are stale.
-          if (u->is_root && !self->in_backward_) {
-            for (auto& other : self->units_) other->output_hooks.clear();
+          if (u->is_root) {
+            if (absl::Status s = self->check_trainable(); !s.ok()) throw FsdpError(std::move(s));
           }
           if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
           return std::nullopt;
@@ -132,15 +131,18 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
           for (const Tensor& t : outputs) {
             if (!t.defined() || !t.requires_grad()) continue;
             u->output_hooks.push_back(autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
-              self->ensure_final_callback();
-              if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
+              self->in_hook([&] {
+                self->ensure_final_callback();
+                if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
+              });
               return std::nullopt;
             }));
           }
           return std::nullopt;
         }));
     for (const Tensor& p : u->params) {
-      u->hooks.push_back(autograd::register_post_accumulate_grad_hook(p, [self, u](const Tensor&) { self->on_grad_ready(*u); }));
+      u->hooks.push_back(autograd::register_post_accumulate_grad_hook(
+          p, [self, u](const Tensor&) { self->in_hook([&] { self->on_grad_ready(*u); }); }));
     }
     m->reshard_unit(*u);  // at rest: shards only
   }
@@ -185,6 +187,33 @@ absl::Status FullyShardedModel::unshard() {
 
 void FullyShardedModel::reshard() {
   for (auto& u : units_) reshard_unit(*u);
+}
+
+absl::Status FullyShardedModel::check_trainable() const {
+  for (const auto& u : units_) {
+    for (std::size_t i = 0; i < u->params.size(); ++i) {
+      if (!u->params[i].requires_grad()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "fully_shard: parameter ", i, " of unit '", u->name,
+            "' was frozen after fully_shard; expected the trainable set fixed at construction (freeze before "
+            "fully_shard: frozen parameters stay unsharded)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A hook that throws ends the backward without its final callback (the engine drops its queue): forget
+// this backward's state, so the next one starts clean. Units stay as they are; the next forward unshards
+// what it needs.
+void FullyShardedModel::in_hook(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (...) {
+    in_backward_ = false;
+    for (auto& u : units_) u->output_hooks.clear();
+    throw;
+  }
 }
 
 void FullyShardedModel::ensure_final_callback() {

@@ -21,7 +21,7 @@
 // Differences from PyTorch FSDP2, on purpose or not yet done (see the closing notes):
 //   * the optimizer is built from parameters() (one flat shard per unit), not model.parameters();
 //   * units hold f32 parameters; frozen parameters (requires_grad false at construction) are not sharded and
-//     stay replicated, and a parameter frozen or unfrozen later is not handled;
+//     stay replicated; freezing a sharded parameter later is refused (FsdpError from the next forward);
 //   * no prefetch, mixed precision, CPU offload, no_sync, or state dict helpers yet; unshard()/reshard()
 //     bring every unit's full parameters back (e.g. to read or save them) and release them.
 //
@@ -29,6 +29,7 @@
 // autograd::backward; autograd::try_backward returns it as a Status). Thread-safety: one rank's thread.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -104,6 +105,8 @@ class FullyShardedModel {
   void on_grad_ready(Unit& u);
   void reduce_unit(Unit& u);
   void ensure_final_callback();
+  void in_hook(const std::function<void()>& body);
+  absl::Status check_trainable() const;
   void finalize_backward();
   absl::Duration timeout() const;
 

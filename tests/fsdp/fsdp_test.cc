@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/autograd/grad_mode.h"
+#include "common/autograd/ops/elementwise.h"
 #include "common/comm/testing/run_ranks.h"
 #include "fsdp/fully_shard.h"
 #include "gmock/gmock.h"
@@ -19,9 +20,15 @@ using gpt_tiny::Batch;
 using gpt_tiny::kBatch;
 using gpt_tiny::TinyConfig;
 
+// How each rank computes its gradient for a step: one forward and backward on its rows; or its rows in two
+// halves, both forwards before one backward of their mean; or two backwards of half losses (gradient
+// accumulation into the shards). All three give the gradient of the rows' mean loss.
+enum class Passes { one, two_forwards, two_backwards };
+
 struct Case {
   int world;
   bool reshard_after_forward;
+  Passes passes = Passes::one;
 };
 
 // Trains GPT-tiny for `steps` steps on `world` ranks (each on its rows) with every TransformerBlock a unit;
@@ -38,9 +45,21 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
     if (!opt.ok()) return opt.status();
     const int rows = kBatch / c.world;
     for (int step = 0; step < steps; ++step) {
-      auto [x, y] = Batch(step, env.rank * rows, rows);
       (*opt)->zero_grad();
-      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      if (c.passes == Passes::one) {
+        auto [x, y] = Batch(step, env.rank * rows, rows);
+        if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      } else {
+        auto [x0, y0] = Batch(step, env.rank * rows, rows / 2);
+        auto [x1, y1] = Batch(step, env.rank * rows + rows / 2, rows / 2);
+        Tensor l0 = autograd::scale(model.loss(x0, y0), 0.5f);
+        if (c.passes == Passes::two_backwards) {
+          if (absl::Status s = autograd::try_backward(l0); !s.ok()) return s;
+        }
+        Tensor l1 = autograd::scale(model.loss(x1, y1), 0.5f);
+        Tensor loss = c.passes == Passes::two_backwards ? l1 : autograd::add(l0, l1);
+        if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
+      }
       (*opt)->step();
     }
     if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
@@ -60,6 +79,21 @@ TEST_P(FsdpGpt, EqualsSingleRankOnTheWholeBatch) {
   const auto [world, reshard] = GetParam();
   static const auto want = gpt_tiny::Reference(20);
   gpt_tiny::ExpectMatches(TrainSharded({world, reshard}, 20), want, 2e-5);
+}
+
+// Several forwards before one backward, and gradients accumulated over two backwards, at n = 2 and 4 (rows
+// per rank stay even).
+TEST(FsdpGptPasses, TwoForwardsOneBackwardAndTwoBackwardsAccumulate) {
+  static const auto want = gpt_tiny::Reference(10);
+  for (const int world : {2, 4}) {
+    for (const bool reshard : {true, false}) {
+      for (const Passes passes : {Passes::two_forwards, Passes::two_backwards}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << world << " reshard " << reshard << " passes "
+                                          << static_cast<int>(passes));
+        gpt_tiny::ExpectMatches(TrainSharded({world, reshard, passes}, 10), want, 2e-5);
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, FsdpGpt, ::testing::Combine(::testing::Values(1, 2, 3, 4, 8), ::testing::Bool()),
@@ -144,6 +178,25 @@ TEST(FsdpEval, NoGradForwardReshardsEveryUnit) {
       EXPECT_TRUE(std::isfinite(loss.item()));
     }
     EXPECT_EQ(mem.current(MemoryCategory::parameter), at_rest);
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+TEST(FsdpErrors, FreezingAShardedParameterLaterIsRefused) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    (*model.blocks)[0]->set_requires_grad(false);
+    auto [x, y] = Batch(0, 0, 2);
+    try {
+      (void)model.loss(x, y);
+      ADD_FAILURE() << "expected FsdpError";
+    } catch (const FsdpError& e) {
+      EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("frozen after fully_shard"));
+    }
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;
