@@ -28,8 +28,20 @@ struct FullyShardedModel::Unit {
   int ready = 0;
   bool reduced = false;
   std::vector<autograd::HookHandle> hooks;           // forward hooks and post-accumulate-grad hooks
-  std::vector<autograd::HookHandle> output_hooks;    // pre-backward hooks on this forward's outputs
+  struct OutputHook {
+    std::int64_t forward = 0;  // the root forward that registered it
+    autograd::HookHandle handle;
+  };
+  std::vector<OutputHook> output_hooks;  // pre-backward hooks on outputs (Note [pending pre-backward hooks])
 };
+
+// Note [pending pre-backward hooks]
+// Each training forward registers a hook on every unit's outputs that unshards the unit before its
+// backward. Several forwards may precede their backwards (micro-batches summed into one loss, or one
+// backward per forward afterwards), so a backward must not drop the hooks of forwards whose backward has
+// not run yet. Hooks are dropped by age instead: those registered more than kPendingForwards root forwards
+// ago (a forward whose backward never ran, e.g. a loss computed with grad mode on and discarded).
+constexpr std::int64_t kPendingForwards = 8;
 
 // Note [fsdp units and flat shards]
 // A unit's trainable parameters live in one flat buffer (as OSS's contiguous flat policy, Note [flat
@@ -76,7 +88,11 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
     u->module = mod;
     u->is_root = mod == &root;
     for (const auto& [pname, p] : mod->named_parameters()) {
-      if (!p.requires_grad() || claimed.count(p.id()) != 0) continue;
+      if (claimed.count(p.id()) != 0) continue;
+      if (!p.requires_grad()) {
+        if (u->is_root) m->frozen_.push_back(p);  // (frozen parameters of units are seen again by the root)
+        continue;
+      }
       if (p.dtype() != DType::f32) {
         return absl::InvalidArgumentError(absl::StrCat("fully_shard: expected f32 parameters, found ",
                                                        std::string(dtype_name(p.dtype())), " for '",
@@ -116,6 +132,14 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
         [self, u](nn::Module&, const TensorList&) -> std::optional<TensorList> {
           if (u->is_root) {
             if (absl::Status s = self->check_trainable(); !s.ok()) throw FsdpError(std::move(s));
+            // A backward that ended without its final callback (a hook threw): start clean.
+            if (self->in_backward_ && !autograd::is_backward_running()) self->reset_backward_state();
+            ++self->forwards_;
+            for (auto& unit : self->units_) {
+              std::erase_if(unit->output_hooks, [&](const Unit::OutputHook& h) {
+                return h.forward <= self->forwards_ - kPendingForwards;
+              });
+            }
           }
           if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
           return std::nullopt;
@@ -130,13 +154,14 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
           if (!grad_follows) return std::nullopt;
           for (const Tensor& t : outputs) {
             if (!t.defined() || !t.requires_grad()) continue;
-            u->output_hooks.push_back(autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
-              self->in_hook([&] {
-                self->ensure_final_callback();
-                if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
-              });
-              return std::nullopt;
-            }));
+            u->output_hooks.push_back(
+                {self->forwards_, autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
+                   self->in_hook([&] {
+                     self->ensure_final_callback();
+                     if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
+                   });
+                   return std::nullopt;
+                 })});
           }
           return std::nullopt;
         }));
@@ -168,8 +193,14 @@ std::int64_t FullyShardedModel::shard_numel() const {
 absl::Status FullyShardedModel::unshard_unit(Unit& u) {
   if (u.unsharded) return absl::OkStatus();
   u.full.reallocate_storage();
+  absl::Status s =
+      pg_->all_gather(u.full, u.shard, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", u.name)})->wait();
+  if (!s.ok()) {
+    u.full.release_storage();  // its bytes are not the parameters
+    return s;
+  }
   u.unsharded = true;
-  return pg_->all_gather(u.full, u.shard, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", u.name)})->wait();
+  return absl::OkStatus();
 }
 
 void FullyShardedModel::reshard_unit(Unit& u) {
@@ -200,6 +231,13 @@ absl::Status FullyShardedModel::check_trainable() const {
       }
     }
   }
+  for (const Tensor& p : frozen_) {
+    if (p.requires_grad()) {
+      return absl::FailedPreconditionError(
+          "fully_shard: a parameter frozen at construction (left unsharded) was unfrozen; expected the trainable "
+          "set fixed at construction");
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -210,9 +248,17 @@ void FullyShardedModel::in_hook(const std::function<void()>& body) {
   try {
     body();
   } catch (...) {
-    in_backward_ = false;
-    for (auto& u : units_) u->output_hooks.clear();
+    reset_backward_state();
     throw;
+  }
+}
+
+void FullyShardedModel::reset_backward_state() {
+  in_backward_ = false;
+  for (auto& u : units_) {
+    for (const Tensor& p : u->params) p.set_grad(Tensor());  // partial full gradients of the failed backward
+    u->ready = 0;
+    u->reduced = false;
   }
 }
 
@@ -223,14 +269,7 @@ void FullyShardedModel::ensure_final_callback() {
     u->ready = 0;
     u->reduced = false;
   }
-  autograd::queue_callback([this] {
-    try {
-      finalize_backward();
-    } catch (...) {
-      in_backward_ = false;
-      throw;
-    }
-  });
+  autograd::queue_callback([this] { in_hook([this] { finalize_backward(); }); });
 }
 
 void FullyShardedModel::on_grad_ready(Unit& u) {
@@ -270,10 +309,7 @@ void FullyShardedModel::finalize_backward() {
   for (auto& u : units_) {
     if (!u->reduced) reduce_unit(*u);
   }
-  for (auto& u : units_) {
-    u->output_hooks.clear();
-    reshard_unit(*u);
-  }
+  for (auto& u : units_) reshard_unit(*u);  // (pending hooks stay: Note [pending pre-backward hooks])
   in_backward_ = false;
 }
 

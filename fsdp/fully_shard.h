@@ -21,7 +21,14 @@
 // Differences from PyTorch FSDP2, on purpose or not yet done (see the closing notes):
 //   * the optimizer is built from parameters() (one flat shard per unit), not model.parameters();
 //   * units hold f32 parameters; frozen parameters (requires_grad false at construction) are not sharded and
-//     stay replicated; freezing a sharded parameter later is refused (FsdpError from the next forward);
+//     stay replicated; freezing a sharded parameter, or unfreezing one of those, later is refused
+//     (FsdpError from the next forward);
+//   * a unit is reduced when all its parameters have gradients, else by the final callback: a unit whose
+//     parameters get gradients on some ranks and not others in one backward (data-dependent branches)
+//     makes ranks issue reduce_scatters in different orders, which fails at the collective's deadline
+//     (in-process: "ranks disagree on collective");
+//   * destroying the FullyShardedModel leaves the module's parameters as they are: call unshard() first
+//     to keep a usable full model;
 //   * no prefetch, mixed precision, CPU offload, no_sync, or state dict helpers yet; unshard()/reshard()
 //     bring every unit's full parameters back (e.g. to read or save them) and release them.
 //
@@ -39,20 +46,17 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/autograd/engine.h"
 #include "common/comm/process_group.h"
 #include "common/nn/module.h"
 #include "common/tensor/tensor.h"
 
 namespace shardkit::fsdp {
 
-class FsdpError : public std::runtime_error {
+// An autograd::StatusError, so autograd::try_backward returns FSDP's own Status.
+class FsdpError : public autograd::StatusError {
  public:
-  explicit FsdpError(absl::Status status)
-      : std::runtime_error(std::string(status.message())), status_(std::move(status)) {}
-  const absl::Status& status() const { return status_; }
-
- private:
-  absl::Status status_;
+  using autograd::StatusError::StatusError;
 };
 
 struct FullyShardOptions {
@@ -106,6 +110,7 @@ class FullyShardedModel {
   void reduce_unit(Unit& u);
   void ensure_final_callback();
   void in_hook(const std::function<void()>& body);
+  void reset_backward_state();
   absl::Status check_trainable() const;
   void finalize_backward();
   absl::Duration timeout() const;
@@ -113,7 +118,9 @@ class FullyShardedModel {
   std::shared_ptr<comm::ProcessGroup> pg_;
   FullyShardOptions options_;
   std::vector<std::unique_ptr<Unit>> units_;
+  std::vector<Tensor> frozen_;  // parameters left unsharded because they were frozen at construction
   bool in_backward_ = false;
+  std::int64_t forwards_ = 0;   // root forwards so far (ages the pending pre-backward hooks)
 };
 
 }  // namespace shardkit::fsdp

@@ -48,6 +48,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/autograd/engine.h"
 #include "common/autograd/hook_handle.h"
 #include "common/comm/process_group.h"
 #include "common/tensor/tensor.h"
@@ -63,14 +64,10 @@ inline bool is_flat(ReduceStrategy s) {
   return s == ReduceStrategy::reduce_scatter || s == ReduceStrategy::flat_reduce_to_owner;
 }
 
-class ReducerError : public std::runtime_error {
+// An autograd::StatusError, so autograd::try_backward returns the reducer's own Status.
+class ReducerError : public autograd::StatusError {
  public:
-  explicit ReducerError(absl::Status status)
-      : std::runtime_error(std::string(status.message())), status_(std::move(status)) {}
-  const absl::Status& status() const { return status_; }
-
- private:
-  absl::Status status_;
+  using autograd::StatusError::StatusError;
 };
 
 // One trainable parameter handed to the reducer.

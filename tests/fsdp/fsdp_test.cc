@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/autograd/grad_mode.h"
+#include "common/autograd/hooks.h"
 #include "common/autograd/ops/elementwise.h"
 #include "common/comm/testing/run_ranks.h"
 #include "fsdp/fully_shard.h"
@@ -22,8 +23,9 @@ using gpt_tiny::TinyConfig;
 
 // How each rank computes its gradient for a step: one forward and backward on its rows; or its rows in two
 // halves, both forwards before one backward of their mean; or two backwards of half losses (gradient
-// accumulation into the shards). All three give the gradient of the rows' mean loss.
-enum class Passes { one, two_forwards, two_backwards };
+// accumulation into the shards); or both forwards first, then one backward each (Note [pending pre-backward
+// hooks]). All give the gradient of the rows' mean loss.
+enum class Passes { one, two_forwards, two_backwards, forwards_then_backwards };
 
 struct Case {
   int world;
@@ -57,7 +59,10 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
           if (absl::Status s = autograd::try_backward(l0); !s.ok()) return s;
         }
         Tensor l1 = autograd::scale(model.loss(x1, y1), 0.5f);
-        Tensor loss = c.passes == Passes::two_backwards ? l1 : autograd::add(l0, l1);
+        if (c.passes == Passes::forwards_then_backwards) {
+          if (absl::Status s = autograd::try_backward(l0); !s.ok()) return s;
+        }
+        Tensor loss = c.passes == Passes::two_forwards ? autograd::add(l0, l1) : l1;
         if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
       }
       (*opt)->step();
@@ -87,7 +92,7 @@ TEST(FsdpGptPasses, TwoForwardsOneBackwardAndTwoBackwardsAccumulate) {
   static const auto want = gpt_tiny::Reference(10);
   for (const int world : {2, 4}) {
     for (const bool reshard : {true, false}) {
-      for (const Passes passes : {Passes::two_forwards, Passes::two_backwards}) {
+      for (const Passes passes : {Passes::two_forwards, Passes::two_backwards, Passes::forwards_then_backwards}) {
         SCOPED_TRACE(::testing::Message() << "n=" << world << " reshard " << reshard << " passes "
                                           << static_cast<int>(passes));
         gpt_tiny::ExpectMatches(TrainSharded({world, reshard, passes}, 10), want, 2e-5);
@@ -178,6 +183,69 @@ TEST(FsdpEval, NoGradForwardReshardsEveryUnit) {
       EXPECT_TRUE(std::isfinite(loss.item()));
     }
     EXPECT_EQ(mem.current(MemoryCategory::parameter), at_rest);
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// A backward that throws half-way (here a user's hook on block 0's output, after the later blocks were
+// reduced) leaves nothing behind: the following steps equal those of a run that skipped the failed step.
+TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
+  auto run = [](bool fail_first) {
+    std::vector<std::vector<std::vector<float>>> got(2);
+    absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(TinyConfig(), 1);
+      auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+      if (!fs.ok()) return fs.status();
+      auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+      bool armed = fail_first;
+      std::vector<autograd::HookHandle> throwing;
+      autograd::HookHandle arm = (*model.blocks)[0]->register_forward_hook(
+          [&](nn::Module&, const nn::TensorList&, const nn::TensorList& out) -> std::optional<nn::TensorList> {
+            if (armed && out[0].requires_grad()) {
+              throwing.push_back(autograd::register_hook(out[0], [](const Tensor&) -> std::optional<Tensor> {
+                throw autograd::StatusError(absl::UnavailableError("injected"));
+              }));
+            }
+            return std::nullopt;
+          });
+      for (int step = 0; step < 4; ++step) {
+        auto [x, y] = Batch(step, env.rank * 12, 12);
+        (*opt)->zero_grad();
+        absl::Status s = autograd::try_backward(model.loss(x, y));
+        if (step == 0 && fail_first) {
+          EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+          armed = false;
+          throwing.clear();
+          continue;
+        }
+        if (!s.ok()) return s;
+        if (step > 0) (*opt)->step();
+      }
+      if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+      got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(st.ok()) << st;
+    return got;
+  };
+  const auto clean = run(false);
+  const auto failed = run(true);
+  EXPECT_EQ(failed, clean);
+}
+
+// Destroying the wrapper after unshard() leaves a usable full model (its parameters stay in the buffers).
+TEST(FsdpLifecycle, ModelUsableAfterUnshardAndDestroy) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto [x, y] = Batch(0, 0, 4);
+    const double before = model.loss(x, y).item();
+    {
+      auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+      if (!fs.ok()) return fs.status();
+      if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    }
+    EXPECT_EQ(model.loss(x, y).item(), before);
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;
