@@ -19,7 +19,8 @@
 //                      reduce_scatter, in unit order after the ready-order ones), reshards all units
 //
 // Differences from PyTorch FSDP2, on purpose or not yet done (see the closing notes):
-//   * the optimizer is built from parameters() (one flat shard per unit), not model.parameters();
+//   * the optimizer is built from parameters() (one flat shard per unit), not model.parameters() (an
+//     optimizer over the released module parameters fails at step() with a message saying so);
 //   * units hold f32 parameters; frozen parameters (requires_grad false at construction) are not sharded and
 //     stay replicated; freezing a sharded parameter, or unfreezing one of those, later is refused
 //     (FsdpError from the next forward);

@@ -98,6 +98,10 @@ void Optimizer::step() {
     }
     for (const Tensor& p : group.params) {
       std::optional<ParamState>& slot = states_[index++];
+      SK_CHECK(!p.storage_released())
+          << name_ << ": parameter " << p.describe()
+          << " has released storage: expected live parameters (the parameters of a module sharded by "
+             "fsdp::FullyShardedModel are released at rest: build the optimizer from its parameters())";
       const Tensor grad = p.grad();
       if (!grad.defined()) continue;
       SK_CHECK_EQ(grad.numel(), p.numel()) << name_ << ": grad " << grad.describe() << " for " << p.describe();

@@ -10,6 +10,7 @@
 #include "common/autograd/hooks.h"
 #include "common/autograd/ops/elementwise.h"
 #include "common/comm/testing/run_ranks.h"
+#include "common/optim/sgd.h"
 #include "fsdp/fully_shard.h"
 #include "gmock/gmock.h"
 #include "tests/testing/gpt_tiny_data.h"
@@ -264,6 +265,28 @@ TEST(FsdpErrors, FreezingAShardedParameterLaterIsRefused) {
     } catch (const FsdpError& e) {
       EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
       EXPECT_THAT(e.what(), ::testing::HasSubstr("frozen after fully_shard"));
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// The classic ZeRO-3 mistake: an optimizer over model.parameters() (released at rest) fails loudly instead of
+// silently skipping every parameter.
+TEST(FsdpErrors, OptimizerOverTheModulesParametersFailsLoudly) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    auto opt = optim::Sgd::factory({.lr = 0.1})({{model.parameters(), {}}});
+    if (!opt.ok()) return opt.status();
+    auto [x, y] = Batch(0, env.rank * 2, 2);
+    if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+    try {
+      (*opt)->step();
+      ADD_FAILURE() << "expected InternalError";
+    } catch (const InternalError& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("build the optimizer from its parameters()"));
     }
     return absl::OkStatus();
   });
