@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/autograd/engine.h"
+#include "common/autograd/grad_mode.h"
 #include "common/autograd/hooks.h"
 #include "common/base/check.h"
 
@@ -25,15 +26,30 @@ struct FullyShardedModel::Unit {
   Tensor shard;                        // this rank's S elements: the leaf the optimizer steps
   bool unsharded = true;
   // per backward
-  int ready = 0;
   bool reduced = false;
   std::vector<autograd::HookHandle> hooks;           // forward hooks and post-accumulate-grad hooks
   struct OutputHook {
     std::int64_t forward = 0;  // the root forward that registered it
     autograd::HookHandle handle;
   };
-  std::vector<OutputHook> output_hooks;  // pre-backward hooks on outputs (Note [pending pre-backward hooks])
+  // Pre-backward hooks on outputs and post-backward hooks on inputs (Note [pending pre-backward hooks]).
+  std::vector<OutputHook> backward_hooks;
 };
+
+// Note [post-backward on a unit's inputs]
+// When is a unit's backward over? Not "when all its parameters have gradients": whether a parameter gets
+// one can depend on the data (a branch taken on some ranks only), and ranks would then issue the unit's
+// reduce_scatter at different points of the backward (a hang). Instead a hook on each input of the unit
+// that requires grad fires when the gradient of that input is complete, which is after every node of the
+// unit ran; the engine runs a ready AccumulateGrad before any other node (Note [execution order] in
+// engine.cc), so by then every parameter used inside the unit has its gradient. That point depends only on
+// the graph, the same on every rank. The unit is reduced there, with zeros for parameters that got no
+// gradient. Reduction is linear, so a unit reduced several times in one backward (two forwards before one
+// backward: the second forward's input fires first, while parameters used by both still wait for the
+// first forward's part) accumulates the right sum in its shard's gradient. Units without such an input (the
+// root, whose input is token ids) are reduced by the final callback, in unit order. A parameter must be
+// used only inside its unit's forward (a shared parameter belongs to the common ancestor), else a gradient
+// arriving after its unit's post-backward is reduced by the final callback.
 
 // Note [pending pre-backward hooks]
 // Each training forward registers a hook on every unit's outputs that unshards the unit before its
@@ -129,19 +145,32 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
   for (auto& owned : m->units_) {
     Unit* u = owned.get();
     u->hooks.push_back(u->module->register_forward_pre_hook(
-        [self, u](nn::Module&, const TensorList&) -> std::optional<TensorList> {
+        [self, u](nn::Module&, const TensorList& inputs) -> std::optional<TensorList> {
           if (u->is_root) {
             if (absl::Status s = self->check_trainable(); !s.ok()) throw FsdpError(std::move(s));
             // A backward that ended without its final callback (a hook threw): start clean.
             if (self->in_backward_ && !autograd::is_backward_running()) self->reset_backward_state();
             ++self->forwards_;
             for (auto& unit : self->units_) {
-              std::erase_if(unit->output_hooks, [&](const Unit::OutputHook& h) {
+              std::erase_if(unit->backward_hooks, [&](const Unit::OutputHook& h) {
                 return h.forward <= self->forwards_ - kPendingForwards;
               });
             }
           }
           if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
+          if (!u->is_root && autograd::is_grad_enabled()) {  // Note [post-backward on a unit's inputs]
+            for (const Tensor& t : inputs) {
+              if (!t.defined() || !t.requires_grad()) continue;
+              u->backward_hooks.push_back(
+                  {self->forwards_, autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
+                     self->in_hook([&] {
+                       self->ensure_final_callback();
+                       self->reduce_unit(*u);
+                     });
+                     return std::nullopt;
+                   })});
+            }
+          }
           return std::nullopt;
         }));
     u->hooks.push_back(u->module->register_forward_hook(
@@ -154,7 +183,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
           if (!grad_follows) return std::nullopt;
           for (const Tensor& t : outputs) {
             if (!t.defined() || !t.requires_grad()) continue;
-            u->output_hooks.push_back(
+            u->backward_hooks.push_back(
                 {self->forwards_, autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
                    self->in_hook([&] {
                      self->ensure_final_callback();
@@ -166,8 +195,9 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
           return std::nullopt;
         }));
     for (const Tensor& p : u->params) {
+      // Only to make sure the final callback is queued (a loss that does not pass through the root's output).
       u->hooks.push_back(autograd::register_post_accumulate_grad_hook(
-          p, [self, u](const Tensor&) { self->in_hook([&] { self->on_grad_ready(*u); }); }));
+          p, [self](const Tensor&) { self->in_hook([&] { self->ensure_final_callback(); }); }));
     }
     m->reshard_unit(*u);  // at rest: shards only
   }
@@ -257,7 +287,6 @@ void FullyShardedModel::reset_backward_state() {
   in_backward_ = false;
   for (auto& u : units_) {
     for (const Tensor& p : u->params) p.set_grad(Tensor());  // partial full gradients of the failed backward
-    u->ready = 0;
     u->reduced = false;
   }
 }
@@ -265,16 +294,8 @@ void FullyShardedModel::reset_backward_state() {
 void FullyShardedModel::ensure_final_callback() {
   if (in_backward_) return;
   in_backward_ = true;
-  for (auto& u : units_) {
-    u->ready = 0;
-    u->reduced = false;
-  }
+  for (auto& u : units_) u->reduced = false;
   autograd::queue_callback([this] { in_hook([this] { finalize_backward(); }); });
-}
-
-void FullyShardedModel::on_grad_ready(Unit& u) {
-  ensure_final_callback();
-  if (++u.ready == static_cast<int>(u.params.size())) reduce_unit(u);
 }
 
 void FullyShardedModel::reduce_unit(Unit& u) {
@@ -305,9 +326,11 @@ void FullyShardedModel::reduce_unit(Unit& u) {
 }
 
 void FullyShardedModel::finalize_backward() {
-  // Units not reduced from a hook (some parameter got no gradient): every rank reduces them, in unit order.
+  // Units with no post-backward in this backward (Note [post-backward on a unit's inputs]), and units whose
+  // gradients arrived after it: every rank reduces them, in unit order.
   for (auto& u : units_) {
-    if (!u->reduced) reduce_unit(*u);
+    const bool late = std::any_of(u->params.begin(), u->params.end(), [](const Tensor& p) { return p.grad().defined(); });
+    if (!u->reduced || late) reduce_unit(*u);
   }
   for (auto& u : units_) reshard_unit(*u);  // (pending hooks stay: Note [pending pre-backward hooks])
   in_backward_ = false;

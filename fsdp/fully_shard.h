@@ -7,16 +7,16 @@
 // tensor that the optimizer steps. At rest the flat buffer's bytes are released: a rank holds Ψ/N
 // parameter elements (+ padding). Per pass, each unit costs one all_gather and one reduce_scatter:
 //
-//   forward pre-hook   unshard: reallocate the flat buffer, all_gather the shards into it (wait)
+//   forward pre-hook   unshard: reallocate the flat buffer, all_gather the shards into it (wait); on the
+//                      unit's inputs that require grad, a post-backward tensor hook (below)
 //   forward hook       non-root units with reshard_after_forward: release the buffer again; on the unit's
 //                      outputs that require grad, a tensor hook that unshards before the unit's backward
-//   post-accumulate    when every trainable parameter of a unit has its gradient: copy them into a flat
-//   grad hooks         buffer (zeros for missing ones and padding), reduce_scatter (average) into the
-//                      shard's .grad (added to a gradient already there: accumulation), release the full
-//                      gradients, reshard
-//   final callback     (queued by the first hook of a backward) reduces every unit that is not reduced yet
-//                      (a parameter that got no gradient counts as zeros; every rank issues every
-//                      reduce_scatter, in unit order after the ready-order ones), reshards all units
+//   post-backward      when the gradient of the unit's input is complete (Note [post-backward on a unit's
+//                      inputs] in fully_shard.cc): copy the parameters' gradients into a flat buffer (zeros
+//                      for missing ones and padding), reduce_scatter (average) into the shard's .grad (added
+//                      to a gradient already there: accumulation), release the full gradients, reshard
+//   final callback     (queued by the first hook of a backward) reduces the units that had no post-backward
+//                      (the root) or got gradients after it, in unit order, and reshards all units
 //
 // Differences from PyTorch FSDP2, on purpose or not yet done (see the closing notes):
 //   * the optimizer is built from parameters() (one flat shard per unit), not model.parameters() (an
@@ -24,10 +24,8 @@
 //   * units hold f32 parameters; frozen parameters (requires_grad false at construction) are not sharded and
 //     stay replicated; freezing a sharded parameter, or unfreezing one of those, later is refused
 //     (FsdpError from the next forward);
-//   * a unit is reduced when all its parameters have gradients, else by the final callback: a unit whose
-//     parameters get gradients on some ranks and not others in one backward (data-dependent branches)
-//     makes ranks issue reduce_scatters in different orders, which fails at the collective's deadline
-//     (in-process: "ranks disagree on collective");
+//   * every rank must run the same units in forward (a unit skipped on some ranks makes the collectives
+//     disagree; parameters unused inside a unit are fine);
 //   * destroying the FullyShardedModel leaves the module's parameters as they are: call unshard() first
 //     to keep a usable full model;
 //   * no prefetch, mixed precision, CPU offload, no_sync, or state dict helpers yet; unshard()/reshard()
@@ -107,7 +105,6 @@ class FullyShardedModel {
   FullyShardedModel(std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options);
   absl::Status unshard_unit(Unit& u);
   void reshard_unit(Unit& u);
-  void on_grad_ready(Unit& u);
   void reduce_unit(Unit& u);
   void ensure_final_callback();
   void in_hook(const std::function<void()>& body);

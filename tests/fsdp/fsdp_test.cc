@@ -9,6 +9,8 @@
 #include "common/autograd/grad_mode.h"
 #include "common/autograd/hooks.h"
 #include "common/autograd/ops/elementwise.h"
+#include "common/autograd/ops/reduce.h"
+#include "common/nn/layers.h"
 #include "common/comm/testing/run_ranks.h"
 #include "common/optim/sgd.h"
 #include "fsdp/fully_shard.h"
@@ -187,6 +189,87 @@ TEST(FsdpEval, NoGradForwardReshardsEveryUnit) {
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;
+}
+
+// A unit whose forward takes a data-dependent branch: `gate` is used on some ranks only. Its reduce_scatter
+// still comes at the same point of every rank's backward (Note [post-backward on a unit's inputs]), and
+// training equals one rank computing both ranks' losses.
+class Gated : public nn::Module {
+ public:
+  explicit Gated(Generator& gen) : Module("Gated") {
+    a = register_module("a", std::make_shared<nn::Linear>(4, 4, gen));
+    gate = register_module("gate", std::make_shared<nn::Linear>(4, 4, gen));
+  }
+  bool use_gate = false;
+  std::shared_ptr<nn::Linear> a, gate;
+
+ protected:
+  Tensor forward(const Tensor& x) override {
+    Tensor h = (*a)(x);
+    return use_gate ? (*gate)(h) : h;
+  }
+};
+
+class GatedNet : public nn::Module {
+ public:
+  explicit GatedNet(std::uint64_t seed) : Module("GatedNet") {
+    Generator gen(seed, 0);
+    in = register_module("in", std::make_shared<nn::Linear>(3, 4, gen));
+    body = register_module("body", std::make_shared<Gated>(gen));
+    out = register_module("out", std::make_shared<nn::Linear>(4, 2, gen));
+  }
+  Tensor loss(const Tensor& x) { return autograd::mean((*this)(x)); }  // through the root hooks
+  std::shared_ptr<nn::Linear> in, out;
+  std::shared_ptr<Gated> body;
+
+ protected:
+  Tensor forward(const Tensor& x) override { return (*out)((*body)((*in)(x))); }
+};
+
+Tensor GatedInput(int rank, int step) {
+  std::vector<float> v(6);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.1f * static_cast<float>((rank + 1) * (step + 2)) - 0.05f * static_cast<float>(i);
+  return Tensor::from_vector(v, {2, 3});
+}
+
+TEST(FsdpDataDependent, AParameterUsedOnSomeRanksOnly) {
+  constexpr int kSteps = 5;
+  // Reference: one rank, both ranks' losses (rank 0 through the gate, rank 1 not), averaged.
+  std::vector<std::vector<float>> want;
+  {
+    RankContext ctx;
+    RankContextScope scope(ctx);
+    GatedNet net(3);
+    auto opt = optim::Sgd::factory({.lr = 0.1})({{net.parameters(), {}}});
+    for (int step = 0; step < kSteps; ++step) {
+      (*opt)->zero_grad();
+      net.body->use_gate = true;
+      Tensor l0 = net.loss(GatedInput(0, step));
+      net.body->use_gate = false;
+      Tensor l1 = net.loss(GatedInput(1, step));
+      autograd::backward(autograd::scale(autograd::add(l0, l1), 0.5f));
+      (*opt)->step();
+    }
+    want = gpt_tiny::Values(net);
+  }
+  std::vector<std::vector<std::vector<float>>> got(2);
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    GatedNet net(3);
+    auto fs = FullyShardedModel::create(net, env.group_ptr, {.units = {net.body.get()}});
+    if (!fs.ok()) return fs.status();
+    auto opt = optim::Sgd::factory({.lr = 0.1})({{(*fs)->parameters(), {}}});
+    net.body->use_gate = env.rank == 0;
+    for (int step = 0; step < kSteps; ++step) {
+      (*opt)->zero_grad();
+      if (absl::Status s = autograd::try_backward(net.loss(GatedInput(env.rank, step))); !s.ok()) return s;
+      (*opt)->step();
+    }
+    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(net);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  gpt_tiny::ExpectMatches(got, want, 1e-6);
 }
 
 // A backward that throws half-way (here a user's hook on block 0's output, after the later blocks were
