@@ -1,7 +1,9 @@
 #include "oss/partition.h"
 
 #include <algorithm>
+#include <iterator>
 #include <numeric>
+#include <utility>
 
 #include "common/base/check.h"
 
@@ -45,12 +47,14 @@ std::int64_t FlatPartition::owned_numel(int rank) const {
 }
 
 int FlatPartition::chunk_of(int group, std::int64_t flat_offset) const {
-  int found = -1;
-  for (std::size_t c = 0; c < chunks.size(); ++c) {
-    if (chunks[c].group == group && chunks[c].base <= flat_offset) found = static_cast<int>(c);
-  }
-  SK_CHECK_GE(found, 0) << "no chunk of group " << group << " holds flat element " << flat_offset;
-  return found;
+  // Chunks are sorted by (group, base): the last one at or before (group, flat_offset).
+  const auto after = std::upper_bound(chunks.begin(), chunks.end(), std::pair{group, flat_offset},
+                                      [](const std::pair<int, std::int64_t>& key, const FlatChunk& c) {
+                                        return key.first != c.group ? key.first < c.group : key.second < c.base;
+                                      });
+  SK_CHECK(after != chunks.begin() && std::prev(after)->group == group)
+      << "no chunk of group " << group << " holds flat element " << flat_offset;
+  return static_cast<int>(std::prev(after) - chunks.begin());
 }
 
 FlatPartition partition_flat(const GroupSizes& sizes, int world, std::int64_t chunk_numel) {

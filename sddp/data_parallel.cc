@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
     }
   }
   std::vector<ReducerParam> params;
-  std::map<int, DType> space_dtype;
+  std::map<std::pair<int, int>, DType> group_dtype;  // (optimizer, param group) -> dtype
   for (const auto& [name, t] : module_.named_parameters()) {
     if (!t.requires_grad()) continue;
     ReducerParam rp{name, t};
@@ -96,7 +96,7 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
       } else {
         rp.flat_offset = start[static_cast<std::size_t>(w.opt)][static_cast<std::size_t>(w.group)][static_cast<std::size_t>(w.param)];
         rp.space = space_of(w.opt, w.group, rp.flat_offset);
-        auto [d, fresh] = space_dtype.emplace(rp.space, t.dtype());
+        auto [d, fresh] = group_dtype.emplace(std::pair{w.opt, w.group}, t.dtype());
         if (!fresh && d->second != t.dtype()) {
           return absl::InvalidArgumentError(absl::StrCat("ShardedDataParallel (flat): expected one dtype per param group, found ",
                                                          std::string(dtype_name(d->second)), " and ",

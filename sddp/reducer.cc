@@ -117,7 +117,8 @@ void Reducer::build_buckets(const std::vector<int>& order) {
   }
 
   // reduce_scatter: column buckets over every flat space.
-  const std::int64_t width = options_.bucket_numel <= 0 ? 0 : std::max<std::int64_t>(1, options_.bucket_numel / world_);
+  // ceil: a chunk of bucket_numel elements (the recommended OssOptions::flat_chunk_numel) is one column.
+  const std::int64_t width = options_.bucket_numel <= 0 ? 0 : (options_.bucket_numel + world_ - 1) / world_;
   std::vector<Column> columns;
   for (std::size_t s = 0; s < spaces_.size(); ++s) {
     std::vector<FlatMember> members;
