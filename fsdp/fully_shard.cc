@@ -50,6 +50,9 @@ struct FullyShardedModel::Unit {
 // root, whose input is token ids) are reduced by the final callback, in unit order. A parameter must be
 // used only inside its unit's forward (a shared parameter belongs to the common ancestor), else a gradient
 // arriving after its unit's post-backward is reduced by the final callback.
+// When a unit's input is the previous unit's output (consecutive blocks), its post-backward runs inside
+// the previous unit's pre-backward hook, before that unit is unsharded, so backward holds one unit's full
+// parameters at a time (besides the root's) rather than two.
 
 // Note [pending pre-backward hooks]
 // Each training forward registers a hook on every unit's outputs that unshards the unit before its
@@ -147,6 +150,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
     u->hooks.push_back(u->module->register_forward_pre_hook(
         [self, u](nn::Module&, const TensorList& inputs) -> std::optional<TensorList> {
           if (u->is_root) {
+            self->unit_outputs_.clear();
             if (absl::Status s = self->check_trainable(); !s.ok()) throw FsdpError(std::move(s));
             // A backward that ended without its final callback (a hook threw): start clean.
             if (self->in_backward_ && !autograd::is_backward_running()) self->reset_backward_state();
@@ -161,6 +165,10 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
           if (!u->is_root && autograd::is_grad_enabled()) {  // Note [post-backward on a unit's inputs]
             for (const Tensor& t : inputs) {
               if (!t.defined() || !t.requires_grad()) continue;
+              if (auto it = self->unit_outputs_.find(t.id()); it != self->unit_outputs_.end()) {
+                it->second.reduce_first->push_back(u);  // the previous unit's pre-backward hook reduces u first
+                continue;
+              }
               u->backward_hooks.push_back(
                   {self->forwards_, autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
                      self->in_hook([&] {
@@ -180,13 +188,18 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
           if (!grad_follows || (!u->is_root && self->options_.reshard_after_forward)) {
             self->reshard_unit(*u);  // (no gradient follows: no backward will need these parameters)
           }
+          if (u->is_root) self->unit_outputs_.clear();  // the forward is over
           if (!grad_follows) return std::nullopt;
           for (const Tensor& t : outputs) {
             if (!t.defined() || !t.requires_grad()) continue;
+            auto reduce_first = std::make_shared<std::vector<Unit*>>();
+            if (!u->is_root) self->unit_outputs_[t.id()] = {t, reduce_first};
             u->backward_hooks.push_back(
-                {self->forwards_, autograd::register_hook(t, [self, u](const Tensor&) -> std::optional<Tensor> {
+                {self->forwards_,
+                 autograd::register_hook(t, [self, u, reduce_first](const Tensor&) -> std::optional<Tensor> {
                    self->in_hook([&] {
                      self->ensure_final_callback();
+                     for (Unit* next : *reduce_first) self->reduce_unit(*next);  // their post-backward
                      if (absl::Status s = self->unshard_unit(*u); !s.ok()) throw FsdpError(std::move(s));
                    });
                    return std::nullopt;

@@ -36,6 +36,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -119,6 +120,13 @@ class FullyShardedModel {
   std::vector<Tensor> frozen_;  // parameters left unsharded because they were frozen at construction
   bool in_backward_ = false;
   std::int64_t forwards_ = 0;   // root forwards so far (ages the pending pre-backward hooks)
+  // During a forward: the outputs of the units run so far, with the units whose post-backward is to run
+  // in that output's pre-backward hook (Note [post-backward on a unit's inputs]).
+  struct UnitOutput {
+    Tensor tensor;  // held so its id is not reused during the forward
+    std::shared_ptr<std::vector<Unit*>> reduce_first;
+  };
+  std::map<const TensorImpl*, UnitOutput> unit_outputs_;
 };
 
 }  // namespace shardkit::fsdp
