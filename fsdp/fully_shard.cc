@@ -312,6 +312,11 @@ void FullyShardedModel::ensure_final_callback() {
 }
 
 void FullyShardedModel::reduce_unit(Unit& u) {
+  u.reduced = true;
+  if (!sync_) {  // accumulation: the full gradients stay on the parameters until a synchronised backward
+    reshard_unit(u);
+    return;
+  }
   const int world = pg_->size();
   Tensor flat = Tensor::zeros({u.shard_size * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
   for (std::size_t i = 0; i < u.params.size(); ++i) {
@@ -334,7 +339,6 @@ void FullyShardedModel::reduce_unit(Unit& u) {
   } else {
     u.shard.set_grad(out);
   }
-  u.reduced = true;
   reshard_unit(u);
 }
 
@@ -342,7 +346,8 @@ void FullyShardedModel::finalize_backward() {
   // Units with no post-backward in this backward (Note [post-backward on a unit's inputs]), and units whose
   // gradients arrived after it: every rank reduces them, in unit order.
   for (auto& u : units_) {
-    const bool late = std::any_of(u->params.begin(), u->params.end(), [](const Tensor& p) { return p.grad().defined(); });
+    const bool late = sync_ && std::any_of(u->params.begin(), u->params.end(),
+                                           [](const Tensor& p) { return p.grad().defined(); });
     if (!u->reduced || late) reduce_unit(*u);
   }
   for (auto& u : units_) reshard_unit(*u);  // (pending hooks stay: Note [pending pre-backward hooks])

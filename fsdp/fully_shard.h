@@ -28,7 +28,7 @@
 //     disagree; parameters unused inside a unit are fine);
 //   * destroying the FullyShardedModel leaves the module's parameters as they are: call unshard() first
 //     to keep a usable full model;
-//   * no prefetch, mixed precision, CPU offload, no_sync, or state dict helpers yet; unshard()/reshard()
+//   * no prefetch, mixed precision, CPU offload or state dict helpers yet; unshard()/reshard()
 //     bring every unit's full parameters back (e.g. to read or save them) and release them.
 //
 // Errors: a failed collective inside a hook throws FsdpError (propagates out of forward or
@@ -94,6 +94,12 @@ class FullyShardedModel {
   absl::Status unshard();
   void reshard();
 
+  // Gradient accumulation without communication (FSDP2's set_requires_gradient_sync, DDP's no_sync):
+  // while off, backward keeps each parameter's full gradient (4 bytes per parameter more, as FSDP) and
+  // reduces nothing; the next backward with sync on reduces the accumulated gradients into the shards.
+  void set_requires_gradient_sync(bool sync) { sync_ = sync; }
+  bool requires_gradient_sync() const { return sync_; }
+
   std::size_t num_units() const;
   // Unit u: its fully qualified module name ("" for the root) and its parameter elements (unpadded).
   std::string unit_name(std::size_t u) const;
@@ -119,6 +125,7 @@ class FullyShardedModel {
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<Tensor> frozen_;  // parameters left unsharded because they were frozen at construction
   bool in_backward_ = false;
+  bool sync_ = true;
   std::int64_t forwards_ = 0;   // root forwards so far (ages the pending pre-backward hooks)
   // During a forward: the outputs of the units run so far, with the units whose post-backward is to run
   // in that output's pre-backward hook (Note [post-backward on a unit's inputs]).

@@ -197,6 +197,39 @@ TEST(FsdpEval, NoGradForwardReshardsEveryUnit) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// Four micro-batches per step, the first three with gradient sync off: equal to one rank on the whole batch,
+// and no gradient communication in the unsynchronised backwards.
+TEST(FsdpNoSync, FourMicroBatchesEqualOneLargeBatch) {
+  static const auto want = gpt_tiny::Reference(6);
+  std::vector<std::vector<std::vector<float>>> got(2);
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+    constexpr int kMicro = 4, kRows = kBatch / 2 / kMicro;
+    for (int step = 0; step < 6; ++step) {
+      (*opt)->zero_grad();
+      for (int m = 0; m < kMicro; ++m) {
+        (*fs)->set_requires_gradient_sync(m == kMicro - 1);
+        auto [x, y] = Batch(step, env.rank * kBatch / 2 + m * kRows, kRows);
+        const auto before = env.group.counters();
+        if (absl::Status s = autograd::try_backward(autograd::scale(model.loss(x, y), 1.0f / kMicro)); !s.ok()) return s;
+        const auto sent = env.group.counters().since(before);
+        if (m < kMicro - 1) {
+          EXPECT_EQ(sent.of(comm::CollectiveKind::reduce_scatter).calls, 0) << "no sync";
+        }
+      }
+      (*opt)->step();
+    }
+    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  gpt_tiny::ExpectMatches(got, want, 2e-5);
+}
+
 // A unit whose forward takes a data-dependent branch: `gate` is used on some ranks only. Its reduce_scatter
 // still comes at the same point of every rank's backward (Note [post-backward on a unit's inputs]), and
 // training equals one rank computing both ranks' losses.
