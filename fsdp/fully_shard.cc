@@ -227,6 +227,11 @@ std::size_t FullyShardedModel::num_units() const { return units_.size(); }
 std::string FullyShardedModel::unit_name(std::size_t u) const { return units_.at(u)->name; }
 std::int64_t FullyShardedModel::unit_numel(std::size_t u) const { return units_.at(u)->numel; }
 
+FullyShardedModel::UnitLayout FullyShardedModel::unit_layout(std::size_t u) const {
+  const Unit& unit = *units_.at(u);
+  return {unit.params, unit.offsets, unit.shard_size, unit.shard};
+}
+
 std::int64_t FullyShardedModel::shard_numel() const {
   std::int64_t n = 0;
   for (const auto& u : units_) n += u->shard_size;

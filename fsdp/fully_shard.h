@@ -107,6 +107,17 @@ class FullyShardedModel {
   // Elements of this rank's shards (padding included): Ψ/N within (world - 1) per unit.
   std::int64_t shard_numel() const;
 
+  // How unit u is laid out (for state-dict translation, fsdp/optim_state.h): its module parameters, where
+  // each starts in the unit's flat index space, the shard size S (rank r holds [r·S, (r+1)·S)), the shard.
+  struct UnitLayout {
+    std::vector<Tensor> params;
+    std::vector<std::int64_t> offsets;
+    std::int64_t shard_size = 0;
+    Tensor shard;
+  };
+  UnitLayout unit_layout(std::size_t u) const;
+  comm::ProcessGroup& process_group() const { return *pg_; }
+
  private:
   struct Unit;
   FullyShardedModel(std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options);

@@ -1,0 +1,138 @@
+// Checkpoints across strategies: the full optimizer state of FSDP (fsdp/optim_state.h) plus the unsharded
+// module state continue training on one rank, and a single-rank checkpoint continues under FSDP at another
+// world size, both equal to uninterrupted single-rank training.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/comm/testing/run_ranks.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/optim_state.h"
+#include "gmock/gmock.h"
+#include "tests/testing/gpt_tiny_data.h"
+
+namespace shardkit::fsdp {
+namespace {
+
+using gpt_tiny::Batch;
+using gpt_tiny::kBatch;
+using gpt_tiny::TinyConfig;
+
+constexpr int kHalf = 5;  // steps before the checkpoint, and after
+
+nn::StateDict Copy(const nn::StateDict& sd) {
+  nn::StateDict out;
+  for (const auto& [name, t] : sd) out.emplace_back(name, t.clone());
+  return out;
+}
+
+// Single-rank AdamW on the whole batch for steps [first, last).
+void TrainSingle(nn::GPT& model, optim::Optimizer& opt, int first, int last) {
+  for (int step = first; step < last; ++step) {
+    auto [x, y] = Batch(step, 0, kBatch);
+    opt.zero_grad();
+    autograd::backward(model.loss(x, y));
+    opt.step();
+  }
+}
+
+TEST(FsdpState, FsdpCheckpointContinuesOnOneRank) {
+  static const auto want = gpt_tiny::Reference(2 * kHalf);
+  nn::StateDict model_sd;
+  optim::OptimizerStateDict opt_sd;
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+    if (!opt.ok()) return opt.status();
+    const int rows = kBatch / 2;
+    for (int step = 0; step < kHalf; ++step) {
+      auto [x, y] = Batch(step, env.rank * rows, rows);
+      (*opt)->zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      (*opt)->step();
+    }
+    auto full = full_optimizer_state(**fs, model, **opt);
+    if (!full.ok()) return full.status();
+    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    if (env.rank == 0) {  // (copies charged to rank 0's ledger, which they keep alive)
+      model_sd = Copy(model.state_dict());
+      opt_sd = full->clone();
+    }
+    (*fs)->reshard();
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  nn::GPT model(TinyConfig(), 2);  // another initialisation: everything comes from the checkpoint
+  const absl::Status loaded = model.load_state_dict(model_sd);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+  ASSERT_TRUE(opt.ok());
+  const absl::Status opt_loaded = (*opt)->load_state_dict(opt_sd);
+  ASSERT_TRUE(opt_loaded.ok()) << opt_loaded;
+  TrainSingle(model, **opt, kHalf, 2 * kHalf);
+  gpt_tiny::ExpectMatches({gpt_tiny::Values(model)}, want, 2e-5);
+}
+
+TEST(FsdpState, SingleRankCheckpointContinuesUnderFsdp) {
+  static const auto want = gpt_tiny::Reference(2 * kHalf);
+  nn::StateDict model_sd;
+  optim::OptimizerStateDict opt_sd;
+  {
+    RankContext ctx;
+    RankContextScope scope(ctx);
+    nn::GPT model(TinyConfig(), 1);
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+    ASSERT_TRUE(opt.ok());
+    TrainSingle(model, **opt, 0, kHalf);
+    model_sd = Copy(model.state_dict());
+    opt_sd = (*opt)->state_dict();
+  }
+  for (const int world : {2, 4}) {
+    std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
+    absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(TinyConfig(), 3);
+      if (absl::Status s = model.load_state_dict(model_sd); !s.ok()) return s;  // before sharding
+      auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+      if (!fs.ok()) return fs.status();
+      auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+      if (!opt.ok()) return opt.status();
+      if (absl::Status s = load_full_optimizer_state(**fs, model, **opt, opt_sd); !s.ok()) return s;
+      const int rows = kBatch / world;
+      for (int step = kHalf; step < 2 * kHalf; ++step) {
+        auto [x, y] = Batch(step, env.rank * rows, rows);
+        (*opt)->zero_grad();
+        if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+        (*opt)->step();
+      }
+      if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+      got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    gpt_tiny::ExpectMatches(got, want, 2e-5);
+  }
+}
+
+TEST(FsdpState, OptimizerOverOtherTensorsIsRefused) {
+  absl::Status st = comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    Tensor other = Tensor::zeros({3});
+    other.set_requires_grad(true);
+    auto opt = optim::AdamW::factory()({{{other}, optim::AdamW::default_hyper()}});
+    if (!opt.ok()) return opt.status();
+    auto full = full_optimizer_state(**fs, model, **opt);
+    EXPECT_EQ(full.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(full.status().message()), ::testing::HasSubstr("not a unit shard"));
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+}  // namespace
+}  // namespace shardkit::fsdp
