@@ -28,8 +28,9 @@
 //     disagree; parameters unused inside a unit are fine);
 //   * destroying the FullyShardedModel leaves the module's parameters as they are: call unshard() first
 //     to keep a usable full model;
-//   * no prefetch, mixed precision, CPU offload or state dict helpers yet; unshard()/reshard()
-//     bring every unit's full parameters back (e.g. to read or save them) and release them.
+//   * no prefetch, mixed precision or CPU offload yet; unshard()/reshard() bring every unit's full
+//     parameters back (e.g. to read or save them) and release them; fsdp/optim_state.h translates the
+//     optimizer state for checkpoints.
 //
 // Errors: a failed collective inside a hook throws FsdpError (propagates out of forward or
 // autograd::backward; autograd::try_backward returns it as a Status). Thread-safety: one rank's thread.
