@@ -265,7 +265,12 @@ absl::Status FullyShardedModel::unshard() {
 }
 
 void FullyShardedModel::reshard() {
-  for (auto& u : units_) reshard_unit(*u);
+  const int rank = pg_->rank();
+  for (auto& u : units_) {
+    if (!u->unsharded) continue;
+    u->shard.copy_(u->full.view(rank * u->shard_size, {u->shard_size}));  // keeps changes made meanwhile
+    reshard_unit(*u);
+  }
 }
 
 absl::Status FullyShardedModel::check_trainable() const {

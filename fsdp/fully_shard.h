@@ -90,9 +90,11 @@ class FullyShardedModel {
 
   // What the optimizer steps: this rank's shard of each unit (1-D, f32, requires grad), in unit order.
   std::vector<Tensor> parameters() const;
-  // Every unit's full parameters all-gathered into the module (e.g. to read, evaluate or save them), until
-  // reshard(). Collective.
+  // Every unit's full parameters all-gathered into the module (e.g. to read, evaluate, save or load them),
+  // until reshard(). Collective.
   absl::Status unshard();
+  // Each rank's shards take their part of the full parameters (so values written meanwhile, e.g. by
+  // model.load_state_dict() on every rank, are kept), then the full parameters are released.
   void reshard();
 
   // Gradient accumulation without communication (FSDP2's set_requires_gradient_sync, DDP's no_sync):

@@ -117,6 +117,29 @@ TEST(FsdpState, SingleRankCheckpointContinuesUnderFsdp) {
   }
 }
 
+// Loading a model state dict into a sharded module: unshard(), load on every rank, reshard() keeps it.
+TEST(FsdpState, LoadStateDictBetweenUnshardAndReshard) {
+  std::vector<std::vector<float>> want;
+  {
+    RankContext ctx;
+    RankContextScope scope(ctx);
+    want = gpt_tiny::Values(nn::GPT(TinyConfig(), 2));
+  }
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1), other(TinyConfig(), 2);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    if (absl::Status s = model.load_state_dict(other.state_dict()); !s.ok()) return s;
+    (*fs)->reshard();
+    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;  // gathered from the shards again
+    EXPECT_EQ(gpt_tiny::Values(model), want) << "rank " << env.rank;
+    (*fs)->reshard();
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 TEST(FsdpState, OptimizerOverOtherTensorsIsRefused) {
   absl::Status st = comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
