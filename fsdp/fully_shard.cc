@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -94,7 +95,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
   for (const auto& [name, mod] : root.named_modules()) module_names[mod] = name;
 
   // Assign parameters: listed units first (in order), then the root. A shared parameter goes to the first.
-  std::map<const TensorImpl*, bool> claimed;
+  std::set<const TensorImpl*> claimed;
   std::vector<nn::Module*> order = m->options_.units;
   order.push_back(&root);
   for (nn::Module* mod : order) {
@@ -117,7 +118,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
                                                        std::string(dtype_name(p.dtype())), " for '",
                                                        u->name.empty() ? pname : absl::StrCat(u->name, ".", pname), "'"));
       }
-      claimed[p.id()] = true;
+      claimed.insert(p.id());
       u->offsets.push_back(u->numel);
       u->params.push_back(p);
       u->numel += p.numel();

@@ -99,7 +99,8 @@ class FullyShardedModel {
 
   // Gradient accumulation without communication (FSDP2's set_requires_gradient_sync, DDP's no_sync):
   // while off, backward keeps each parameter's full gradient (4 bytes per parameter more, as FSDP) and
-  // reduces nothing; the next backward with sync on reduces the accumulated gradients into the shards.
+  // reduces nothing; the next backward with sync on reduces the accumulated gradients into the shards. A
+  // backward that fails drops the full gradients accumulated so far (start the accumulation again).
   void set_requires_gradient_sync(bool sync) { sync_ = sync; }
   bool requires_gradient_sync() const { return sync_; }
 
