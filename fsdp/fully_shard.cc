@@ -253,7 +253,7 @@ absl::Status FullyShardedModel::unshard_unit(Unit& u) {
 }
 
 void FullyShardedModel::reshard_unit(Unit& u) {
-  if (!u.unsharded) return;
+  if (!u.unsharded || pinned_) return;
   u.full.release_storage();
   u.unsharded = false;
 }
@@ -262,10 +262,12 @@ absl::Status FullyShardedModel::unshard() {
   for (auto& u : units_) {
     if (absl::Status s = unshard_unit(*u); !s.ok()) return s;
   }
+  pinned_ = true;
   return absl::OkStatus();
 }
 
 void FullyShardedModel::reshard() {
+  pinned_ = false;
   const int rank = pg_->rank();
   for (auto& u : units_) {
     if (!u->unsharded) continue;

@@ -91,7 +91,8 @@ class FullyShardedModel {
   // What the optimizer steps: this rank's shard of each unit (1-D, f32, requires grad), in unit order.
   std::vector<Tensor> parameters() const;
   // Every unit's full parameters all-gathered into the module (e.g. to read, evaluate, save or load them),
-  // until reshard(). Collective.
+  // until reshard(): meanwhile forwards (on any subset of ranks, e.g. sampling on rank 0) and backwards
+  // gather and release nothing. Collective.
   absl::Status unshard();
   // Each rank's shards take their part of the full parameters (so values written meanwhile, e.g. by
   // model.load_state_dict() on every rank, are kept), then the full parameters are released.
@@ -141,6 +142,7 @@ class FullyShardedModel {
   std::vector<Tensor> frozen_;  // parameters left unsharded because they were frozen at construction
   bool in_backward_ = false;
   bool sync_ = true;
+  bool pinned_ = false;  // between unshard() and reshard()
   std::int64_t forwards_ = 0;   // root forwards so far (ages the pending pre-backward hooks)
   // During a forward: the outputs of the units run so far, with the units whose post-backward is to run
   // in that output's pre-backward hook (Note [post-backward on a unit's inputs]).

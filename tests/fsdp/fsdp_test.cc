@@ -374,6 +374,26 @@ TEST(FsdpLifecycle, ModelUsableAfterUnshardAndDestroy) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// Between unshard() and reshard(), forwards communicate nothing: rank 0 alone can sample from the model.
+TEST(FsdpLifecycle, ForwardsOnOneRankWhileUnsharded) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    const auto before = env.group.counters();
+    if (env.rank == 0) {
+      autograd::NoGradGuard no_grad;
+      auto [x, y] = Batch(0, 0, 1);
+      for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isfinite(model.loss(x, y).item()));
+    }
+    EXPECT_EQ(env.group.counters().since(before).total_sent(), 0);
+    (*fs)->reshard();
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 TEST(FsdpErrors, FreezingAShardedParameterLaterIsRefused) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
