@@ -60,7 +60,7 @@ void ExpectOneLineError(const testing::RunResult& r, const std::string& needle) 
 }
 
 TEST(ShardkitTrainBadInput, UnknownStrategy) {
-  ExpectOneLineError(Train({"--strategy", "zero9"}), "expected --strategy one of ddp, oss, sddp, found 'zero9'");
+  ExpectOneLineError(Train({"--strategy", "zero9"}), "expected --strategy one of ddp, oss, sddp, fsdp, found 'zero9'");
 }
 
 TEST(ShardkitTrainBadInput, MissingDataFile) {
@@ -150,13 +150,45 @@ TEST(ShardkitTrain, ResumeAfterKillBetweenStepsEqualsUninterruptedRun) {
                             "--checkpoint-dir", full_dir, "--resume"});
   ASSERT_EQ(sddp4.exit_code, 0) << sddp4.err;
   EXPECT_EQ(Field(sddp4.out, "parameter digest: "), want);
+  const auto fsdp4 = Train({"--model", "tiny", "--steps", "10", "--ranks", "4", "--sample", "0", "--strategy", "fsdp",
+                            "--checkpoint-dir", full_dir, "--resume"});
+  ASSERT_EQ(fsdp4.exit_code, 0) << fsdp4.err;
+  EXPECT_EQ(Field(fsdp4.out, "parameter digest: "), want);
+  fs::remove_all(full_dir);
+  fs::remove_all(kill_dir);
+}
+
+// FSDP writes the same checkpoint format: killed and resumed it ends bit-identical to its uninterrupted run,
+// and DDP at another world size loads its final checkpoint.
+TEST(ShardkitTrain, FsdpResumesAfterKillAndItsCheckpointLoadsElsewhere) {
+  const std::vector<std::string> common = {"--model", "tiny", "--steps", "10", "--ranks", "2", "--sample", "0",
+                                           "--checkpoint-every", "3", "--strategy", "fsdp"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const std::string full_dir = TempDir("fsdp_full"), kill_dir = TempDir("fsdp_killed");
+  const auto full = Train(with({"--checkpoint-dir", full_dir}));
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  const std::string want = Field(full.out, "parameter digest: ");
+  ASSERT_EQ(want.size(), 16u) << full.out;
+  const auto killed = Train(with({"--checkpoint-dir", kill_dir, "--stop-after-step", "7"}));
+  EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.err;
+  const auto resumed = Train(with({"--checkpoint-dir", kill_dir, "--resume"}));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(Field(resumed.out, "parameter digest: "), want);
+  const auto ddp3 = Train({"--model", "tiny", "--steps", "10", "--ranks", "3", "--sample", "0", "--strategy", "ddp",
+                           "--checkpoint-dir", full_dir, "--resume"});
+  ASSERT_EQ(ddp3.exit_code, 0) << ddp3.err;
+  EXPECT_EQ(Field(ddp3.out, "parameter digest: "), want);
   fs::remove_all(full_dir);
   fs::remove_all(kill_dir);
 }
 
 // Two processes over TCP (shardrun) end with the loss of two threads (same seed) within fp32 tolerance.
 TEST(ShardkitTrain, ShardrunTcpEqualsThreads) {
-  for (const std::string strategy : {"sddp", "oss", "ddp"}) {
+  for (const std::string strategy : {"sddp", "oss", "ddp", "fsdp"}) {
     SCOPED_TRACE(strategy);
     const std::vector<std::string> args = {"--strategy", strategy, "--steps", "20", "--model", "tiny", "--sample", "0"};
     std::vector<std::string> tcp = {SHARDRUN_PATH, "--nproc", "2", "--", SHARDKIT_TRAIN_PATH};
@@ -176,14 +208,16 @@ TEST(ShardkitTrain, ShardrunTcpEqualsThreads) {
 }
 
 // --ranks 4: parameter, gradient and optimizer-state peaks equal the formula exactly on every rank ("=").
+// fsdp: its formulas hold at rest, so only the optimizer state (never gathered) equals its peak.
 TEST(ShardkitTrain, MemoryTableMatchesZeroFormulas) {
-  for (const std::string strategy : {"ddp", "oss", "sddp"}) {
+  for (const std::string strategy : {"ddp", "oss", "sddp", "fsdp"}) {
     SCOPED_TRACE(strategy);
     const auto r = Train({"--strategy", strategy, "--ranks", "4", "--steps", "2", "--model", "tiny", "--sample", "0"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     for (int rank = 0; rank < 4; ++rank) {
-      const std::regex row("\n" + std::to_string(rank) + " +[^\n]*=\\)[^\n]*=\\)[^\n]*=\\)");
-      EXPECT_TRUE(std::regex_search(r.out, row)) << "rank " << rank << "\n" << r.out;
+      const std::string row = strategy == "fsdp" ? "\n" + std::to_string(rank) + " +[^\n]*\\)[^\n]*\\)[^\n]*=\\)"
+                                                 : "\n" + std::to_string(rank) + " +[^\n]*=\\)[^\n]*=\\)[^\n]*=\\)";
+      EXPECT_TRUE(std::regex_search(r.out, std::regex(row))) << "rank " << rank << "\n" << r.out;
     }
   }
 }
@@ -217,6 +251,7 @@ TEST(ShardkitTrain, CompareWritesTableAndSvg) {
   EXPECT_TRUE(std::regex_search(r.out, std::regex("\nddp +[0-9.]+ ")));
   EXPECT_TRUE(std::regex_search(r.out, std::regex("\noss +[0-9.]+ ")));
   EXPECT_TRUE(std::regex_search(r.out, std::regex("\nsddp +[0-9.]+ ")));
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("\nfsdp +[0-9.]+ ")));
   std::ifstream f(dir + "/chart.svg");
   const std::string svg((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_THAT(svg, StartsWith("<svg "));

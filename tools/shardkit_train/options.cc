@@ -12,16 +12,20 @@ std::string strategy_name(Strategy s) {
     case Strategy::ddp: return "ddp";
     case Strategy::oss: return "oss";
     case Strategy::sddp: return "sddp";
+    case Strategy::fsdp: return "fsdp";
   }
   return "?";
 }
 
 std::vector<Strategy> available_strategies() {
+  std::vector<Strategy> out = {Strategy::ddp, Strategy::oss};
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
-  return {Strategy::ddp, Strategy::oss, Strategy::sddp};
-#else
-  return {Strategy::ddp, Strategy::oss};
+  out.push_back(Strategy::sddp);
 #endif
+#ifdef SHARDKIT_TRAIN_HAS_FSDP
+  out.push_back(Strategy::fsdp);
+#endif
+  return out;
 }
 
 absl::StatusOr<ModelSize> model_size(const std::string& name) {

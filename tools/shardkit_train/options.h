@@ -14,11 +14,11 @@
 
 namespace shardkit::train {
 
-enum class Strategy { ddp, oss, sddp };
+enum class Strategy { ddp, oss, sddp, fsdp };
 enum class Precision { fp32, bf16 };
 
 std::string strategy_name(Strategy s);
-// The strategies this build has (sddp only when the sddp layer is built).
+// The strategies this build has (sddp / fsdp only when those layers are built).
 std::vector<Strategy> available_strategies();
 
 struct ModelSize {

@@ -43,6 +43,10 @@ std::string expected_comm(const Options& o, const RunResult& r) {
                           "Psi/N + all_gather of parameters (N-1) x ", o.precision == Precision::bf16 ? 2 : 4,
                           "Psi/N = ", with_commas((n - 1) * ((psi + n - 1) / n) * (grad_bytes + (o.precision == Precision::bf16 ? 2 : 4))),
                           " (with padding to N x ceil(Psi/N))");
+    case Strategy::fsdp:
+      return absl::StrCat("about 3(N-1)/N x 4Psi = ", with_commas(3 * (n - 1) * psi * 4 / n),
+                          ": each block all-gathered before its forward and again before its backward, its gradients "
+                          "reduce-scattered; the root unit (embeddings, final norm) is gathered once per step");
   }
   return "";
 }
@@ -86,9 +90,12 @@ std::string run_header(const Options& o, Strategy strategy, const ModelSize& mod
 }
 
 Expected expected_bytes(Strategy s, MemoryCategory c, std::int64_t psi, int n, std::int64_t owned) {
-  const bool sharded_grad = s == Strategy::sddp, sharded_opt = s != Strategy::ddp;
+  const bool sharded_grad = s == Strategy::sddp || s == Strategy::fsdp, sharded_opt = s != Strategy::ddp;
   switch (c) {
-    case MemoryCategory::parameter: return {4 * psi, "4Psi"};
+    case MemoryCategory::parameter:
+      // fsdp: at rest; during a step the root unit and one block are gathered on top (the peak is larger).
+      if (s == Strategy::fsdp) return {4 * owned, absl::StrCat("4Psi/N at rest (owned ", with_commas(owned), ")")};
+      return {4 * psi, "4Psi"};
     case MemoryCategory::gradient:
       if (sharded_grad) return {4 * owned, absl::StrCat("4Psi/N (owned ", with_commas(owned), ")")};
       return {4 * psi, "4Psi"};
@@ -121,6 +128,10 @@ std::string run_report(const Options& o, const RunResult& r) {
     case Strategy::ddp: absl::StrAppend(&out, "4Psi + 4Psi + 8Psi = 16Psi"); break;
     case Strategy::oss: absl::StrAppend(&out, "4Psi + 4Psi + 8Psi/N"); break;
     case Strategy::sddp: absl::StrAppend(&out, "4Psi + 4Psi/N + 8Psi/N"); break;
+    case Strategy::fsdp:
+      absl::StrAppend(&out, "4Psi/N + 4Psi/N + 8Psi/N = 16Psi/N at rest; a step also holds the gathered units and "
+                            "their full gradients");
+      break;
   }
   absl::StrAppend(&out, ")\n");
   absl::StrAppend(&out, absl::StrFormat("%-5s %-23s %-23s %-23s %12s %12s %12s\n", "rank", "parameter (formula)",

@@ -24,6 +24,10 @@
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
 #include "sddp/data_parallel.h"
 #endif
+#ifdef SHARDKIT_TRAIN_HAS_FSDP
+#include "fsdp/fully_shard.h"
+#include "fsdp/optim_state.h"
+#endif
 
 namespace shardkit::train {
 namespace {
@@ -70,6 +74,10 @@ class Runner {
   virtual absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() = 0;
   virtual absl::Status load_state(const optim::OptimizerStateDict& full) = 0;
   virtual std::int64_t owned_numel() const = 0;
+  // The module's full parameters, readable and writable between gather_model() (collective) and
+  // release_model() (fsdp: unshard / reshard; the others hold them all the time).
+  virtual absl::Status gather_model() { return absl::OkStatus(); }
+  virtual void release_model() {}
 };
 
 class DdpRunner : public Runner {
@@ -220,12 +228,62 @@ class OssRunner : public Runner {
 #endif
 };
 
+#ifdef SHARDKIT_TRAIN_HAS_FSDP
+// ZeRO-3: fsdp::FullyShardedModel with every transformer block a unit; AdamW steps the unit shards.
+class FsdpRunner : public Runner {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
+                                                        const Options& o) {
+    if (o.precision != Precision::fp32) {
+      return absl::InvalidArgumentError("--strategy fsdp: expected --precision fp32 (bf16 communication is not there yet)");
+    }
+    auto fs = fsdp::FullyShardedModel::create(model, std::move(pg), {.units = fsdp::modules_of_type(model, "TransformerBlock")});
+    if (!fs.ok()) return fs.status();
+    auto opt = optim::AdamW::make({{(*fs)->parameters(), hyper(o)}}, hyper(o));
+    if (!opt.ok()) return opt.status();
+    return std::unique_ptr<Runner>(new FsdpRunner(model, std::move(*fs), std::move(*opt)));
+  }
+  absl::Status backward(const Tensor& loss) override { return autograd::try_backward(loss); }
+  absl::Status step() override {
+    opt_->step();
+    return absl::OkStatus();
+  }
+  void zero_grad() override { opt_->zero_grad(); }
+  void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
+  absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
+    auto full = fsdp::full_optimizer_state(*fs_, model_, *opt_);
+    if (!full.ok()) return full.status();
+    if (fs_->process_group().rank() != 0) return std::optional<optim::OptimizerStateDict>();
+    return std::optional<optim::OptimizerStateDict>(std::move(*full));
+  }
+  absl::Status load_state(const optim::OptimizerStateDict& full) override {
+    return fsdp::load_full_optimizer_state(*fs_, model_, *opt_, full);
+  }
+  std::int64_t owned_numel() const override { return fs_->shard_numel(); }
+  absl::Status gather_model() override { return fs_->unshard(); }
+  void release_model() override { fs_->reshard(); }
+
+ private:
+  FsdpRunner(nn::GPT& model, std::unique_ptr<fsdp::FullyShardedModel> fs, std::unique_ptr<optim::Optimizer> opt)
+      : model_(model), fs_(std::move(fs)), opt_(std::move(opt)) {}
+  nn::GPT& model_;
+  std::unique_ptr<fsdp::FullyShardedModel> fs_;
+  std::unique_ptr<optim::Optimizer> opt_;
+};
+#endif
+
 absl::StatusOr<std::unique_ptr<Runner>> make_runner(Strategy s, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
                                                     const Options& o) {
   switch (s) {
     case Strategy::ddp: return DdpRunner::create(model, std::move(pg), o);
     case Strategy::oss: return OssRunner::create(model, std::move(pg), o, false);
     case Strategy::sddp: return OssRunner::create(model, std::move(pg), o, true);
+    case Strategy::fsdp:
+#ifdef SHARDKIT_TRAIN_HAS_FSDP
+      return FsdpRunner::create(model, std::move(pg), o);
+#else
+      return absl::UnimplementedError("strategy fsdp is not built into this shardkit-train");
+#endif
   }
   return absl::InternalError("unknown strategy");
 }
@@ -290,7 +348,9 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   std::int64_t start = 0;
   if (resume != nullptr) {
     MemoryCategoryScope other(MemoryCategory::other);
+    SKT_RETURN_IF_ERROR((*runner)->gather_model());
     SKT_RETURN_IF_ERROR(model.load_state_dict(resume->model));
+    (*runner)->release_model();
     SKT_RETURN_IF_ERROR((*runner)->load_state(resume->optimizer));
     start = std::stoll(resume->meta.at("step"));
   }
@@ -343,6 +403,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     if (!o.checkpoint_dir.empty() && ((step + 1) % o.checkpoint_every == 0 || step + 1 == o.steps)) {
       auto state = (*runner)->full_state();
       if (!state.ok()) return state.status();
+      SKT_RETURN_IF_ERROR((*runner)->gather_model());
       if (rank == 0) {
         Checkpoint ck;
         ck.meta = {{"model", o.model},
@@ -362,6 +423,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
         ck.optimizer = std::move(**state);
         SKT_RETURN_IF_ERROR(write_checkpoint(o.checkpoint_dir, ck));
       }
+      (*runner)->release_model();
       checkpointed = true;
     }
     if (o.stop_after_step == step + 1 && rank == 0) ::kill(::getpid(), SIGKILL);  // test-only: a kill between steps
@@ -379,7 +441,11 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   m[kNumMemoryCategories + 1] = (*runner)->owned_numel();
   Tensor all = Tensor::zeros({kFields * world}, TensorOptions{}.with_dtype(DType::i64));
   SKT_RETURN_IF_ERROR(pg->all_gather(all, mine, {.tag = "stats"})->wait());
-  if (rank != 0) return std::nullopt;
+  SKT_RETURN_IF_ERROR((*runner)->gather_model());  // for the digest and the sample (rank 0 only)
+  if (rank != 0) {
+    (*runner)->release_model();
+    return std::nullopt;
+  }
   const auto* a = static_cast<const std::int64_t*>(all.raw_data());
   for (int r = 0; r < world; ++r) {
     RankStats s;
@@ -390,6 +456,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   }
   res.param_digest = digest(model);
   if (o.sample_bytes > 0) res.sample = generate(model, "shardkit ", o.sample_bytes, o.seed);
+  (*runner)->release_model();
   return std::optional<RunResult>(std::move(res));
 }
 

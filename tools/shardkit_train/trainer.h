@@ -15,6 +15,9 @@
 //         step, as DDP; the flat buffer costs 4Psi bytes of communication_buffer).
 //   sddp: sddp::ShardedDataParallel over the same Oss: gradient buckets are reduce-scattered into the owned
 //         slices during backward and full-size gradients are released (ZeRO-2).
+//   fsdp: fsdp::FullyShardedModel, every transformer block a unit: parameters sharded too, gathered per
+//         unit around its forward and backward (ZeRO-3); checkpoints through fsdp/optim_state.h and
+//         unshard(), so they load into any strategy (fp32 only).
 // Without the sddp layer (an older tree) ddp / oss fall back to one all_reduce per gradient after
 // backward, and sddp is not offered.
 // --precision bf16: gradients are communicated in bf16 (ddp: one all_reduce per gradient after backward,
