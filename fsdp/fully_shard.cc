@@ -331,13 +331,18 @@ void FullyShardedModel::reduce_unit(Unit& u) {
     return;
   }
   const int world = pg_->size();
-  Tensor flat = Tensor::zeros({u.shard_size * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+  Tensor flat = Tensor::empty({u.shard_size * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
   for (std::size_t i = 0; i < u.params.size(); ++i) {
     const Tensor g = u.params[i].grad();
-    if (!g.defined()) continue;
-    flat.view(u.offsets[i], {g.numel()}).copy_(g.reshape({g.numel()}));
+    const Tensor slot = flat.view(u.offsets[i], {u.params[i].numel()});
+    if (!g.defined()) {
+      slot.zero_();  // no gradient: zeros
+      continue;
+    }
+    slot.copy_(g.reshape({g.numel()}));
     u.params[i].set_grad(Tensor());  // the full gradient is released once it is in the bucket
   }
+  if (u.numel < flat.numel()) flat.view(u.numel, {flat.numel() - u.numel}).zero_();  // padding
   Tensor out = Tensor::empty({u.shard_size}, TensorOptions{}.with_category(MemoryCategory::gradient));
   if (absl::Status s = pg_->reduce_scatter(out, flat, {.op = comm::ReduceOp::avg(), .timeout = timeout(),
                                                        .tag = absl::StrCat("fsdp grads ", u.name)})
