@@ -10,9 +10,9 @@
 //   ddp:  full AdamW on every rank; sddp::DistributedDataParallel all-reduces gradient buckets during
 //         backward (ZeRO-0: 16 bytes of model state per parameter on every rank).
 //   oss:  ZeRO-1: full gradients on every rank, copied into flat buffers (one per chunk of the flat
-//         partition) and reduce-scattered so each rank receives the average of the ranges it owns; oss::Oss steps that 1/N
-//         share of the optimizer state and all-gathers the updated parameters (2Psi elements sent per
-//         step, as DDP; the flat buffer costs 4Psi bytes of communication_buffer).
+//         partition) and reduce-scattered so each rank receives the average of the ranges it owns;
+//         oss::Oss steps that 1/N share of the optimizer state and all-gathers the updated parameters
+//         (2Psi elements sent per step, as DDP; the flat buffers cost 4Psi bytes of communication_buffer).
 //   sddp: sddp::ShardedDataParallel over the same Oss: gradient buckets are reduce-scattered into the owned
 //         slices during backward and full-size gradients are released (ZeRO-2).
 //   fsdp: fsdp::FullyShardedModel, every transformer block a unit: parameters sharded too, gathered per
