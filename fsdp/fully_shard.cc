@@ -25,16 +25,16 @@ struct FullyShardedModel::Unit {
   std::int64_t shard_size = 0;         // S
   Tensor full;                         // world · S elements; released at rest
   Tensor shard;                        // this rank's S elements: the leaf the optimizer steps
-  bool unsharded = true;
+  bool unsharded() const { return !full.storage_released(); }
   // per backward
   bool reduced = false;
   std::vector<autograd::HookHandle> hooks;           // forward hooks and post-accumulate-grad hooks
-  struct OutputHook {
+  struct BackwardHook {
     std::int64_t forward = 0;  // the root forward that registered it
     autograd::HookHandle handle;
   };
   // Pre-backward hooks on outputs and post-backward hooks on inputs (Note [pending pre-backward hooks]).
-  std::vector<OutputHook> backward_hooks;
+  std::vector<BackwardHook> backward_hooks;
 };
 
 // Note [post-backward on a unit's inputs]
@@ -157,7 +157,7 @@ absl::StatusOr<std::unique_ptr<FullyShardedModel>> FullyShardedModel::create(nn:
             if (self->in_backward_ && !autograd::is_backward_running()) self->reset_backward_state();
             ++self->forwards_;
             for (auto& unit : self->units_) {
-              std::erase_if(unit->backward_hooks, [&](const Unit::OutputHook& h) {
+              std::erase_if(unit->backward_hooks, [&](const Unit::BackwardHook& h) {
                 return h.forward <= self->forwards_ - kPendingForwards;
               });
             }
@@ -240,22 +240,17 @@ std::int64_t FullyShardedModel::shard_numel() const {
 }
 
 absl::Status FullyShardedModel::unshard_unit(Unit& u) {
-  if (u.unsharded) return absl::OkStatus();
+  if (u.unsharded()) return absl::OkStatus();
   u.full.reallocate_storage();
   absl::Status s =
       pg_->all_gather(u.full, u.shard, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", u.name)})->wait();
-  if (!s.ok()) {
-    u.full.release_storage();  // its bytes are not the parameters
-    return s;
-  }
-  u.unsharded = true;
-  return absl::OkStatus();
+  if (!s.ok()) u.full.release_storage();  // its bytes are not the parameters
+  return s;
 }
 
 void FullyShardedModel::reshard_unit(Unit& u) {
-  if (!u.unsharded || pinned_) return;
+  if (!u.unsharded() || pinned_) return;
   u.full.release_storage();
-  u.unsharded = false;
 }
 
 absl::Status FullyShardedModel::unshard() {
@@ -270,7 +265,7 @@ void FullyShardedModel::reshard() {
   pinned_ = false;
   const int rank = pg_->rank();
   for (auto& u : units_) {
-    if (!u->unsharded) continue;
+    if (!u->unsharded()) continue;
     u->shard.copy_(u->full.view(rank * u->shard_size, {u->shard_size}));  // keeps changes made meanwhile
     reshard_unit(*u);
   }
