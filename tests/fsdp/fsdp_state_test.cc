@@ -9,13 +9,12 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/optim_state.h"
 #include "gmock/gmock.h"
+#include "tests/fsdp/fsdp_test_util.h"
 #include "tests/testing/gpt_tiny_data.h"
 
 namespace shardkit::fsdp {
 namespace {
 
-using gpt_tiny::Batch;
-using gpt_tiny::kBatch;
 using gpt_tiny::TinyConfig;
 
 constexpr int kHalf = 5;  // steps before the checkpoint, and after
@@ -26,15 +25,6 @@ nn::StateDict Copy(const nn::StateDict& sd) {
   return out;
 }
 
-// Single-rank AdamW on the whole batch for steps [first, last).
-void TrainSingle(nn::GPT& model, optim::Optimizer& opt, int first, int last) {
-  for (int step = first; step < last; ++step) {
-    auto [x, y] = Batch(step, 0, kBatch);
-    opt.zero_grad();
-    autograd::backward(model.loss(x, y));
-    opt.step();
-  }
-}
 
 TEST(FsdpState, FsdpCheckpointContinuesOnOneRank) {
   static const auto want = gpt_tiny::Reference(2 * kHalf);
@@ -42,17 +32,11 @@ TEST(FsdpState, FsdpCheckpointContinuesOnOneRank) {
   optim::OptimizerStateDict opt_sd;
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
     if (!opt.ok()) return opt.status();
-    const int rows = kBatch / 2;
-    for (int step = 0; step < kHalf; ++step) {
-      auto [x, y] = Batch(step, env.rank * rows, rows);
-      (*opt)->zero_grad();
-      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
-      (*opt)->step();
-    }
+    if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, env.world_size, 0, kHalf); !s.ok()) return s;
     auto full = full_optimizer_state(**fs, model, **opt);
     if (!full.ok()) return full.status();
     if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
@@ -73,7 +57,7 @@ TEST(FsdpState, FsdpCheckpointContinuesOnOneRank) {
   ASSERT_TRUE(opt.ok());
   const absl::Status opt_loaded = (*opt)->load_state_dict(opt_sd);
   ASSERT_TRUE(opt_loaded.ok()) << opt_loaded;
-  TrainSingle(model, **opt, kHalf, 2 * kHalf);
+  ASSERT_TRUE(test_util::TrainRows(model, **opt, 0, 1, kHalf, 2 * kHalf).ok());
   gpt_tiny::ExpectMatches({gpt_tiny::Values(model)}, want, 2e-5);
 }
 
@@ -87,7 +71,7 @@ TEST(FsdpState, SingleRankCheckpointContinuesUnderFsdp) {
     nn::GPT model(TinyConfig(), 1);
     auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
     ASSERT_TRUE(opt.ok());
-    TrainSingle(model, **opt, 0, kHalf);
+    ASSERT_TRUE(test_util::TrainRows(model, **opt, 0, 1, 0, kHalf).ok());
     model_sd = Copy(model.state_dict());
     opt_sd = (*opt)->state_dict();
   }
@@ -96,20 +80,15 @@ TEST(FsdpState, SingleRankCheckpointContinuesUnderFsdp) {
     absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
       nn::GPT model(TinyConfig(), 3);
       if (absl::Status s = model.load_state_dict(model_sd); !s.ok()) return s;  // before sharding
-      auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+      auto fs = test_util::ShardBlocks(model, env);
       if (!fs.ok()) return fs.status();
       auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
       if (!opt.ok()) return opt.status();
       if (absl::Status s = load_full_optimizer_state(**fs, model, **opt, opt_sd); !s.ok()) return s;
-      const int rows = kBatch / world;
-      for (int step = kHalf; step < 2 * kHalf; ++step) {
-        auto [x, y] = Batch(step, env.rank * rows, rows);
-        (*opt)->zero_grad();
-        if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
-        (*opt)->step();
-      }
-      if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
-      got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+      if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, env.world_size, kHalf, 2 * kHalf); !s.ok()) return s;
+      auto values = test_util::FullValues(**fs, model);
+      if (!values.ok()) return values.status();
+      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
       return absl::OkStatus();
     });
     ASSERT_TRUE(st.ok()) << st;
@@ -127,7 +106,7 @@ TEST(FsdpState, LoadStateDictBetweenUnshardAndReshard) {
   }
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1), other(TinyConfig(), 2);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
     if (absl::Status s = model.load_state_dict(other.state_dict()); !s.ok()) return s;
@@ -143,7 +122,7 @@ TEST(FsdpState, LoadStateDictBetweenUnshardAndReshard) {
 TEST(FsdpState, OptimizerOverOtherTensorsIsRefused) {
   absl::Status st = comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     Tensor other = Tensor::zeros({3});
     other.set_requires_grad(true);

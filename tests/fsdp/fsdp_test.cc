@@ -15,6 +15,7 @@
 #include "common/optim/sgd.h"
 #include "fsdp/fully_shard.h"
 #include "gmock/gmock.h"
+#include "tests/fsdp/fsdp_test_util.h"
 #include "tests/testing/gpt_tiny_data.h"
 
 namespace shardkit::fsdp {
@@ -42,9 +43,7 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(c.world));
   absl::Status st = comm::RunRanks(c.world, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(
-        model, env.group_ptr,
-        {.units = modules_of_type(model, "TransformerBlock"), .reshard_after_forward = c.reshard_after_forward});
+    auto fs = test_util::ShardBlocks(model, env, {.reshard_after_forward = c.reshard_after_forward});
     if (!fs.ok()) return fs.status();
     auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
     if (!opt.ok()) return opt.status();
@@ -70,9 +69,9 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
       }
       (*opt)->step();
     }
-    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
-    got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
-    (*fs)->reshard();
+    auto values = test_util::FullValues(**fs, model);
+    if (!values.ok()) return values.status();
+    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;
@@ -125,7 +124,7 @@ TEST(FsdpMemory, LedgerAtRestIsTheZero3Formula) {
       const std::int64_t psi = model->num_parameters();
       std::int64_t largest_block = 0;
       for (nn::Module* b : modules_of_type(*model, "TransformerBlock")) largest_block = std::max(largest_block, b->num_parameters());
-      auto fs = FullyShardedModel::create(*model, env.group_ptr, {.units = modules_of_type(*model, "TransformerBlock")});
+      auto fs = test_util::ShardBlocks(*model, env);
       if (!fs.ok()) return fs.status();
       const std::int64_t shard = (*fs)->shard_numel();
       const std::int64_t units = static_cast<std::int64_t>((*fs)->num_units());
@@ -182,7 +181,7 @@ TEST(FsdpEval, NoGradForwardReshardsEveryUnit) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     MemoryTracker& mem = *env.context.memory;
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     const std::int64_t at_rest = mem.current(MemoryCategory::parameter);
     auto [x, y] = Batch(0, 0, 2);
@@ -204,7 +203,7 @@ TEST(FsdpNoSync, FourMicroBatchesEqualOneLargeBatch) {
   std::vector<std::vector<std::vector<float>>> got(2);
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
     constexpr int kMicro = 4, kRows = kBatch / 2 / kMicro;
@@ -222,8 +221,9 @@ TEST(FsdpNoSync, FourMicroBatchesEqualOneLargeBatch) {
       }
       (*opt)->step();
     }
-    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
-    got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+    auto values = test_util::FullValues(**fs, model);
+    if (!values.ok()) return values.status();
+    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
     return absl::OkStatus();
   });
   ASSERT_TRUE(st.ok()) << st;
@@ -303,8 +303,9 @@ TEST(FsdpDataDependent, AParameterUsedOnSomeRanksOnly) {
       if (absl::Status s = autograd::try_backward(net.loss(GatedInput(env.rank, step))); !s.ok()) return s;
       (*opt)->step();
     }
-    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
-    got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(net);
+    auto values = test_util::FullValues(**fs, net);
+    if (!values.ok()) return values.status();
+    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
     return absl::OkStatus();
   });
   ASSERT_TRUE(st.ok()) << st;
@@ -318,7 +319,7 @@ TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
     std::vector<std::vector<std::vector<float>>> got(2);
     absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
       nn::GPT model(TinyConfig(), 1);
-      auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+      auto fs = test_util::ShardBlocks(model, env);
       if (!fs.ok()) return fs.status();
       auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
       bool armed = fail_first;
@@ -345,8 +346,9 @@ TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
         if (!s.ok()) return s;
         if (step > 0) (*opt)->step();
       }
-      if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
-      got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+      auto values = test_util::FullValues(**fs, model);
+      if (!values.ok()) return values.status();
+      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
       return absl::OkStatus();
     });
     EXPECT_TRUE(st.ok()) << st;
@@ -364,7 +366,7 @@ TEST(FsdpLifecycle, ModelUsableAfterUnshardAndDestroy) {
     auto [x, y] = Batch(0, 0, 4);
     const double before = model.loss(x, y).item();
     {
-      auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+      auto fs = test_util::ShardBlocks(model, env);
       if (!fs.ok()) return fs.status();
       if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
     }
@@ -378,7 +380,7 @@ TEST(FsdpLifecycle, ModelUsableAfterUnshardAndDestroy) {
 TEST(FsdpLifecycle, ForwardsOnOneRankWhileUnsharded) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
     const auto before = env.group.counters();
@@ -397,7 +399,7 @@ TEST(FsdpLifecycle, ForwardsOnOneRankWhileUnsharded) {
 TEST(FsdpErrors, FreezingAShardedParameterLaterIsRefused) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     (*model.blocks)[0]->set_requires_grad(false);
     auto [x, y] = Batch(0, 0, 2);
@@ -418,7 +420,7 @@ TEST(FsdpErrors, FreezingAShardedParameterLaterIsRefused) {
 TEST(FsdpErrors, OptimizerOverTheModulesParametersFailsLoudly) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = modules_of_type(model, "TransformerBlock")});
+    auto fs = test_util::ShardBlocks(model, env);
     if (!fs.ok()) return fs.status();
     auto opt = optim::Sgd::factory({.lr = 0.1})({{model.parameters(), {}}});
     if (!opt.ok()) return opt.status();
