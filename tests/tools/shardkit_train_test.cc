@@ -13,6 +13,7 @@
 #include <fstream>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -115,75 +116,46 @@ TEST(ShardkitTrainBadInput, ResumeFromAnotherModelSizeOrCorruptFile) {
 }
 
 // The process SIGKILLs itself right after step 7 (the last checkpoint is step 6's); --resume continues
-// from step 6 and must end bit-identical to the uninterrupted run (same world, same reduction order).
+// from step 6 and must end bit-identical to the uninterrupted run (same world, same reduction order). Then
+// the final checkpoint, resumed by every strategy at another world size, loads the same state (OSS
+// re-shards the full state; FSDP translates it to its shards). Written by OSS and by FSDP.
 TEST(ShardkitTrain, ResumeAfterKillBetweenStepsEqualsUninterruptedRun) {
-  const std::vector<std::string> common = {"--model", "tiny", "--steps", "10", "--ranks", "2", "--sample", "0",
-                                           "--checkpoint-every", "3", "--strategy", "oss"};
-  auto with = [&](std::vector<std::string> extra) {
-    std::vector<std::string> a = common;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
-  };
-  const std::string full_dir = TempDir("full"), kill_dir = TempDir("killed");
-  const auto full = Train(with({"--checkpoint-dir", full_dir}));
-  ASSERT_EQ(full.exit_code, 0) << full.err;
-  const std::string want = Field(full.out, "parameter digest: ");
-  ASSERT_EQ(want.size(), 16u) << full.out;
+  for (const std::string writer : {"oss", "fsdp"}) {
+    SCOPED_TRACE(writer);
+    const std::vector<std::string> common = {"--model", "tiny", "--steps", "10", "--ranks", "2", "--sample", "0",
+                                             "--checkpoint-every", "3", "--strategy", writer};
+    auto with = [&](std::vector<std::string> extra) {
+      std::vector<std::string> a = common;
+      a.insert(a.end(), extra.begin(), extra.end());
+      return a;
+    };
+    const std::string full_dir = TempDir(writer + "_full"), kill_dir = TempDir(writer + "_killed");
+    const auto full = Train(with({"--checkpoint-dir", full_dir}));
+    ASSERT_EQ(full.exit_code, 0) << full.err;
+    const std::string want = Field(full.out, "parameter digest: ");
+    ASSERT_EQ(want.size(), 16u) << full.out;
 
-  const auto killed = Train(with({"--checkpoint-dir", kill_dir, "--stop-after-step", "7"}));
-  EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.err;
-  EXPECT_THAT(killed.out, Not(HasSubstr("parameter digest")));
-  EXPECT_TRUE(fs::exists(kill_dir + "/checkpoint.skck"));
-  EXPECT_FALSE(fs::exists(kill_dir + "/checkpoint.skck.tmp"));
+    const auto killed = Train(with({"--checkpoint-dir", kill_dir, "--stop-after-step", "7"}));
+    EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.err;
+    EXPECT_THAT(killed.out, Not(HasSubstr("parameter digest")));
+    EXPECT_TRUE(fs::exists(kill_dir + "/checkpoint.skck"));
+    EXPECT_FALSE(fs::exists(kill_dir + "/checkpoint.skck.tmp"));
 
-  const auto resumed = Train(with({"--checkpoint-dir", kill_dir, "--resume"}));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
-  EXPECT_THAT(resumed.out, HasSubstr("resuming from " + kill_dir + "/checkpoint.skck at step 6"));
-  EXPECT_EQ(Field(resumed.out, "parameter digest: "), want);
+    const auto resumed = Train(with({"--checkpoint-dir", kill_dir, "--resume"}));
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+    EXPECT_THAT(resumed.out, HasSubstr("resuming from " + kill_dir + "/checkpoint.skck at step 6"));
+    EXPECT_EQ(Field(resumed.out, "parameter digest: "), want);
 
-  // Resuming at another world size and strategy loads the same state (OSS re-shards the full state).
-  const auto ddp3 = Train({"--model", "tiny", "--steps", "10", "--ranks", "3", "--sample", "0", "--strategy", "ddp",
-                           "--checkpoint-dir", full_dir, "--resume"});
-  ASSERT_EQ(ddp3.exit_code, 0) << ddp3.err;
-  EXPECT_EQ(Field(ddp3.out, "parameter digest: "), want);
-  const auto sddp4 = Train({"--model", "tiny", "--steps", "10", "--ranks", "4", "--sample", "0", "--strategy", "sddp",
-                            "--checkpoint-dir", full_dir, "--resume"});
-  ASSERT_EQ(sddp4.exit_code, 0) << sddp4.err;
-  EXPECT_EQ(Field(sddp4.out, "parameter digest: "), want);
-  const auto fsdp4 = Train({"--model", "tiny", "--steps", "10", "--ranks", "4", "--sample", "0", "--strategy", "fsdp",
-                            "--checkpoint-dir", full_dir, "--resume"});
-  ASSERT_EQ(fsdp4.exit_code, 0) << fsdp4.err;
-  EXPECT_EQ(Field(fsdp4.out, "parameter digest: "), want);
-  fs::remove_all(full_dir);
-  fs::remove_all(kill_dir);
-}
-
-// FSDP writes the same checkpoint format: killed and resumed it ends bit-identical to its uninterrupted run,
-// and DDP at another world size loads its final checkpoint.
-TEST(ShardkitTrain, FsdpResumesAfterKillAndItsCheckpointLoadsElsewhere) {
-  const std::vector<std::string> common = {"--model", "tiny", "--steps", "10", "--ranks", "2", "--sample", "0",
-                                           "--checkpoint-every", "3", "--strategy", "fsdp"};
-  auto with = [&](std::vector<std::string> extra) {
-    std::vector<std::string> a = common;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
-  };
-  const std::string full_dir = TempDir("fsdp_full"), kill_dir = TempDir("fsdp_killed");
-  const auto full = Train(with({"--checkpoint-dir", full_dir}));
-  ASSERT_EQ(full.exit_code, 0) << full.err;
-  const std::string want = Field(full.out, "parameter digest: ");
-  ASSERT_EQ(want.size(), 16u) << full.out;
-  const auto killed = Train(with({"--checkpoint-dir", kill_dir, "--stop-after-step", "7"}));
-  EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.err;
-  const auto resumed = Train(with({"--checkpoint-dir", kill_dir, "--resume"}));
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
-  EXPECT_EQ(Field(resumed.out, "parameter digest: "), want);
-  const auto ddp3 = Train({"--model", "tiny", "--steps", "10", "--ranks", "3", "--sample", "0", "--strategy", "ddp",
-                           "--checkpoint-dir", full_dir, "--resume"});
-  ASSERT_EQ(ddp3.exit_code, 0) << ddp3.err;
-  EXPECT_EQ(Field(ddp3.out, "parameter digest: "), want);
-  fs::remove_all(full_dir);
-  fs::remove_all(kill_dir);
+    for (const auto& [strategy, ranks] : std::vector<std::pair<std::string, std::string>>{
+             {"ddp", "3"}, {"sddp", "4"}, {"fsdp", "4"}}) {
+      const auto other = Train({"--model", "tiny", "--steps", "10", "--ranks", ranks, "--sample", "0", "--strategy",
+                                strategy, "--checkpoint-dir", full_dir, "--resume"});
+      ASSERT_EQ(other.exit_code, 0) << strategy << ": " << other.err;
+      EXPECT_EQ(Field(other.out, "parameter digest: "), want) << strategy;
+    }
+    fs::remove_all(full_dir);
+    fs::remove_all(kill_dir);
+  }
 }
 
 // Two processes over TCP (shardrun) end with the loss of two threads (same seed) within fp32 tolerance.
