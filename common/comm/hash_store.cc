@@ -28,9 +28,13 @@ absl::StatusOr<std::int64_t> HashStore::add(const std::string& key, std::int64_t
     return absl::InvalidArgumentError(
         absl::StrCat("store add on key '", key, "': expected an integer value, found '", it->second, "'"));
   }
-  value = static_cast<std::int64_t>(static_cast<std::uint64_t>(value) + static_cast<std::uint64_t>(delta));
-  map_[key] = absl::StrCat(value);
-  return value;
+  std::int64_t sum = 0;
+  if (__builtin_add_overflow(value, delta, &sum)) {
+    return absl::InvalidArgumentError(absl::StrCat("store add on key '", key, "': expected a sum within int64, found ",
+                                                   value, " + ", delta, " overflows (the value is unchanged)"));
+  }
+  map_[key] = absl::StrCat(sum);
+  return sum;
 }
 
 absl::StatusOr<bool> HashStore::check(const std::vector<std::string>& keys) {

@@ -3,7 +3,7 @@
 // A hash map under one mutex; get() and wait() block on a condition until the keys exist or the
 // timeout passes (DeadlineExceeded naming the missing keys). add() stores the decimal string of the
 // counter, like TcpStore, so get() of an add()ed key returns e.g. "3"; add() on a key holding a
-// non-integer value is InvalidArgument.
+// non-integer value, or whose sum would leave int64, is InvalidArgument and leaves the value unchanged.
 //
 // Thread-safety: every method may be called concurrently.
 #pragma once

@@ -24,9 +24,13 @@ class Store {
 
   // Sets key to value (overwrites) and wakes waiters on key.
   virtual absl::Status set(const std::string& key, const std::string& value) = 0;
-  // Waits until key exists (up to timeout), then returns its value.
+  // Waits until key exists (up to timeout), then returns its value. Every timeout is valid (get and wait):
+  // zero or negative does not wait; an infinite or huge one is a deadline in the far future (TcpStore
+  // clamps it to tcp_store_protocol::kMaxTimeoutMs, about 35 years; it never overflows).
   virtual absl::StatusOr<std::string> get(const std::string& key, absl::Duration timeout) = 0;
   // Atomically adds delta to the integer stored at key (missing = 0) and returns the new value.
+  // InvalidArgument naming the key, with the value unchanged, when the stored value is not a decimal
+  // integer or the sum would leave int64 (never wraps).
   virtual absl::StatusOr<std::int64_t> add(const std::string& key, std::int64_t delta) = 0;
   // True when every key exists, without waiting.
   virtual absl::StatusOr<bool> check(const std::vector<std::string>& keys) = 0;

@@ -28,10 +28,9 @@ absl::StatusOr<proto::Message> read_frame(const tcp::Socket& s, std::size_t max_
   return proto::decode_payload(body);
 }
 
-std::int64_t to_ms(absl::Duration d) {
-  if (d == absl::InfiniteDuration()) return std::int64_t{1} << 50;
-  return std::max<std::int64_t>(0, absl::ToInt64Milliseconds(d));
-}
+// The wire's timeout_ms: ToInt64Milliseconds saturates (infinite and huge durations give INT64_MAX), and the
+// result is clamped to what the server accepts (proto::kMaxTimeoutMs).
+std::int64_t to_ms(absl::Duration d) { return proto::clamp_timeout_ms(absl::ToInt64Milliseconds(d)); }
 
 }  // namespace
 
@@ -161,6 +160,11 @@ absl::StatusOr<std::int64_t> TcpStore::add(const std::string& key, std::int64_t 
   m.keys = {key};
   m.number = delta;
   auto r = round_trip(m, absl::ZeroDuration());
+  if (!r.ok() && r.status().code() == absl::StatusCode::kFailedPrecondition) {
+    // The server refused the add (a non-integer value or an int64 overflow; its message names the key):
+    // the same code as HashStore (store.h).
+    return absl::InvalidArgumentError(r.status().message());
+  }
   if (!r.ok()) return r.status();
   if (r->type != proto::MessageType::kInt) {
     return absl::InternalError(absl::StrCat("TcpStore add: expected an integer reply, found type ", static_cast<int>(r->type)));

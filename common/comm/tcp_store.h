@@ -6,7 +6,9 @@
 // and create() returns PermissionDenied quoting its reason.
 // Token: options.token, or when that is empty the environment variable SHARDKIT_STORE_TOKEN (read once, in
 // create()). The server compares in constant time.
-// Integers written by add() are stored as decimal text (get() returns e.g. "3").
+// Integers written by add() are stored as decimal text (get() returns e.g. "3"); the server's refusal of an
+// add (non-integer value, int64 overflow) is InvalidArgument, as in HashStore. get() / wait() send their
+// timeout in milliseconds clamped to tcp_store_protocol::kMaxTimeoutMs (infinite included).
 //
 // Thread-safety: every method may be called concurrently. Each call borrows a connection from a small pool
 // (opening a new one when all are busy), so a thread blocked in get()/wait() never delays another thread's

@@ -34,6 +34,15 @@ inline constexpr std::size_t kHeaderBytes = 4;
 inline constexpr std::size_t kDefaultMaxFrameBytes = 16u << 20;  // 16 MiB
 inline constexpr std::size_t kMaxKeyBytes = 4096;
 inline constexpr std::uint32_t kMaxKeysPerRequest = 65536;
+// The longest get / wait timeout on the wire: 2^40 ms, about 35 years. The client clamps longer (and
+// infinite) timeouts to it, and the server clamps what it receives to [0, kMaxTimeoutMs] before turning it
+// into a timer, so no hostile or infinite value can overflow the nanosecond clock arithmetic (2^40 ms is
+// 1.1e18 ns, below the 9.2e18 an int64 holds).
+inline constexpr std::int64_t kMaxTimeoutMs = std::int64_t{1} << 40;
+// timeout_ms clamped to [0, kMaxTimeoutMs].
+constexpr std::int64_t clamp_timeout_ms(std::int64_t timeout_ms) {
+  return timeout_ms < 0 ? 0 : (timeout_ms > kMaxTimeoutMs ? kMaxTimeoutMs : timeout_ms);
+}
 
 enum class MessageType : std::uint8_t {
   kHello = 1,

@@ -171,10 +171,16 @@ class Session : public std::enable_shared_from_this<Session> {
             return write(reply, false);
           }
         }
-        current += m.number;
-        server_.data[m.keys[0]] = std::to_string(current);
+        std::int64_t sum = 0;
+        if (__builtin_add_overflow(current, m.number, &sum)) {
+          reply.type = proto::MessageType::kError;
+          reply.value = absl::StrCat("add on key '", m.keys[0], "': expected a sum within int64, found ", current,
+                                     " + ", m.number, " overflows (the value is unchanged)");
+          return write(reply, false);
+        }
+        server_.data[m.keys[0]] = std::to_string(sum);
         reply.type = proto::MessageType::kInt;
-        reply.number = current;
+        reply.number = sum;
         write(reply, false);
         server_.notify(m.keys[0]);
         return;
@@ -203,7 +209,8 @@ class Session : public std::enable_shared_from_this<Session> {
     w->keys = std::move(m.keys);
     w->is_get = m.type == proto::MessageType::kGet;
     if (server_.all_present(w->keys)) return complete_waiter(*w, false);
-    const std::int64_t timeout_ms = std::max<std::int64_t>(0, m.number);
+    // A client's timeout is any int64: clamped before the chrono conversion to nanoseconds can overflow.
+    const std::int64_t timeout_ms = proto::clamp_timeout_ms(m.number);
     w->timer = std::make_unique<asio::steady_timer>(server_.io);
     w->timer->expires_after(std::chrono::milliseconds(timeout_ms));
     w->timer->async_wait([w](const boost::system::error_code& ec) {

@@ -5,7 +5,9 @@
 // a frame that stalls mid-way for longer than frame_timeout, or a failed handshake (wrong magic / version /
 // token) gets a kError reply where possible and closes *that* connection only; the server keeps serving the
 // others and never crashes or blocks on one client. Waiting requests (get / wait) are parked server-side and
-// answered when their keys appear or their timeout passes.
+// answered when their keys appear or their timeout passes; any timeout_ms a client sends is clamped to
+// [0, kMaxTimeoutMs] (tcp_store_protocol.h). An add whose sum would leave int64 gets a kError naming the key
+// and leaves the value unchanged.
 //
 // Threading: one I/O thread owned by the server runs every handler, so the key-value map needs no lock.
 // The destructor stops the thread and closes every connection. The public methods are thread-safe.

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -344,6 +345,38 @@ TEST(TcpStoreServerFaults, TruncatedFrameThenCloseDoesNotDisturbTheServer) {
     raw.send(header(100) + "only ten b");
     raw.close();
   }
+  expect_server_still_serves(*server);
+}
+
+// A hostile client's timeout_ms of INT64_MAX is clamped (the request waits for its key; before the fix the
+// server's milliseconds -> nanoseconds conversion overflowed, to -1 ms in a plain build, and answered
+// kTimeout at once); INT64_MIN does not wait. The server keeps serving either way.
+TEST(TcpStoreServerFaults, HostileTimeoutsAreClampedNotOverflowed) {
+  auto server = make_server();
+  for (const proto::MessageType type : {proto::MessageType::kGet, proto::MessageType::kWait}) {
+    SCOPED_TRACE(static_cast<int>(type));
+    const std::string key = absl::StrCat("hostile", static_cast<int>(type));
+    RawConnection raw(server->port());
+    raw.hello();
+    proto::Message m;
+    m.type = type;
+    m.keys = {key};
+    m.number = std::numeric_limits<std::int64_t>::max();
+    raw.send(proto::encode_frame(m));
+    ASSERT_TRUE(server->set(key, "v").ok());
+    auto r = raw.read_reply();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->type, type == proto::MessageType::kGet ? proto::MessageType::kValue : proto::MessageType::kOk)
+        << r->value;
+
+    m.keys = {"never"};
+    m.number = std::numeric_limits<std::int64_t>::min();
+    raw.send(proto::encode_frame(m));
+    r = raw.read_reply();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->type, proto::MessageType::kTimeout);
+  }
+  EXPECT_EQ(server->server()->rejected_connections(), 0);
   expect_server_still_serves(*server);
 }
 
