@@ -24,7 +24,7 @@ absl::Status DataParallel::init() {
   if (options_.sync_models_at_startup) {
     if (absl::Status s = broadcast_module_state(module_, *pg_, true, true, options_.timeout); !s.ok()) return s;
   }
-  auto reducer = make_reducer();
+  auto reducer = make_reducer(/*refreshing=*/false);
   if (!reducer.ok()) return reducer.status();
   reducer_ = std::move(*reducer);
   trainable_ = trainable_flags();
@@ -47,7 +47,7 @@ std::int64_t DataParallel::trainable_numel() const {
   return n;
 }
 
-absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
+absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer(bool refreshing) const {
   struct Where {
     int opt, group, param;
   };
@@ -87,8 +87,18 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer() const {
     if (strategy_ != ReduceStrategy::all_reduce) {
       auto it = where.find(t.id());
       if (it == where.end()) {
-        return absl::InvalidArgumentError(absl::StrCat("ShardedDataParallel: expected every trainable parameter in one of the optimizers, found '",
-                                                       name, "' in none"));
+        if (!refreshing) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "ShardedDataParallel: expected every trainable parameter in one of the optimizers, found '", name,
+              "' in none"));
+        }
+        // A user mistake (typically: frozen and left out of the Oss param groups, then unfrozen), so a Status
+        // that says what to do, not a check.
+        return absl::FailedPreconditionError(absl::StrCat(
+            "ShardedDataParallel: parameter '", name,
+            "' is trainable but no Oss holds it (was it frozen and left out of the optimizers, then unfrozen?): "
+            "add it to a param group of one of the optimizers on every rank (Oss::add_param_group), then run "
+            "forward again or call refresh_trainable(); or freeze it again"));
       }
       const Where w = it->second;
       if (strategy_ == ReduceStrategy::reduce_to_owner) {
@@ -134,7 +144,8 @@ void DataParallel::before_forward() {
     if (options_.warn_on_trainable_params_changed) {
       SK_LOG(kWarning, "sddp: the set of trainable parameters changed; rebuilding the gradient reducer");
     }
-    refresh_trainable();
+    // A hook cannot return a Status: the forward throws it as a ReducerError (an autograd::StatusError).
+    if (absl::Status s = refresh_trainable(); !s.ok()) throw ReducerError(std::move(s));
   }
   if (absl::Status s = wait_for_buffers(); !s.ok()) throw ReducerError(std::move(s));
   if (options_.broadcast_buffers && module_.is_training()) {
@@ -142,15 +153,17 @@ void DataParallel::before_forward() {
   }
 }
 
-void DataParallel::refresh_trainable() {
-  const bool sync = reducer_ ? reducer_->sync() : true;
-  reducer_.reset();  // removes the old hooks first
-  auto r = make_reducer();
-  SK_CHECK(r.ok()) << r.status().ToString();
-  reducer_ = std::move(*r);
+absl::Status DataParallel::refresh_trainable() {
+  // Built before the old reducer goes, so a refused trainable set changes nothing. Both reducers' hooks
+  // exist for a moment; none can fire meanwhile (no gradient is accumulated here).
+  auto r = make_reducer(/*refreshing=*/true);
+  if (!r.ok()) return r.status();
+  const bool sync = reducer_->sync();
+  reducer_ = std::move(*r);  // the old reducer's hooks are removed with it
   reducer_->set_sync(sync);
   trainable_ = trainable_flags();
   for (oss::Oss* o : optimizers_) o->refresh_trainable();
+  return absl::OkStatus();
 }
 
 absl::Status DataParallel::reduce() { return reducer_->reduce_now(); }

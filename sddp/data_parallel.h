@@ -19,6 +19,8 @@
 // Forward: call the module as usual (module(x), or a method that calls it, like GPT::loss). The pre-hook
 // re-reads the trainable set when auto_refresh_trainable (a change rebuilds the buckets, with a warning when
 // warn_on_trainable_params_changed) and broadcasts buffers from rank 0 when broadcast_buffers and training.
+// Its errors (a refused trainable set, see refresh_trainable(); a failed broadcast) throw ReducerError from
+// the forward; e.status() is the Status.
 //
 // Backward: see reducer.h. When backward returns, gradients are averaged over the ranks: all of them
 // (DDP), the owned ones (ShardedDDP greedy: the others are released), or the owned slices handed to OSS via
@@ -109,8 +111,11 @@ class DataParallel {
   // Drops (or zeroes) every gradient this rank holds, full-size and owned slices.
   void zero_grad(bool set_to_none = true);
   // Re-reads requires_grad; rebuilds the reducer and refreshes the Oss objects. Every rank must call it at
-  // the same point. Automatic before forward when auto_refresh_trainable.
-  void refresh_trainable();
+  // the same point. Automatic before forward when auto_refresh_trainable (an error is then thrown from the
+  // forward as a ReducerError carrying this Status). FailedPrecondition, and nothing changes, when a trainable
+  // parameter is in none of the Oss optimizers (e.g. it was frozen and left out of their param groups, then
+  // unfrozen): add it to a param group (Oss::add_param_group) on every rank and refresh again.
+  absl::Status refresh_trainable();
 
   // ---- statistics (train_bench) ----
   // The last synchronised backward (or reduce()): buckets issued, gradient bytes, overlapped bytes,
@@ -133,7 +138,9 @@ class DataParallel {
   absl::Status init();
 
  private:
-  absl::StatusOr<std::unique_ptr<Reducer>> make_reducer() const;
+  // `refreshing`: after construction (a trainable parameter no Oss holds is then FailedPrecondition, not
+  // InvalidArgument).
+  absl::StatusOr<std::unique_ptr<Reducer>> make_reducer(bool refreshing) const;
   std::vector<bool> trainable_flags() const;
   void before_forward();
 

@@ -129,6 +129,51 @@ TEST(Construction, ShardedNeedsEveryTrainableParameterInAnOptimizer) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// A parameter frozen and left out of the Oss when ShardedDataParallel was built, then unfrozen: the next
+// forward refuses with a FailedPrecondition that says what to do (a user mistake, not an internal check),
+// and once the parameter is in an Oss param group the same wrapper trains it.
+TEST(Construction, UnfreezingAParameterNoOssHoldsIsAFailedPrecondition) {
+  for (const oss::PartitionPolicy policy : {oss::PartitionPolicy::greedy, oss::PartitionPolicy::flat}) {
+    absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) {
+      Generator gen(5);
+      auto model = nn::make_mlp({4, 8, 2}, gen);
+      auto params = model->parameters();
+      const Tensor bias = params.back();
+      bias.set_requires_grad(false);
+      params.pop_back();
+      auto oss = oss::Oss::create({{params, {}}}, optim::Sgd::factory({.lr = 0.1}), env.group_ptr, {.policy = policy});
+      ASSERT_TRUE(oss.ok()) << oss.status();
+      auto dp = ShardedDataParallel::create(*model, {oss->get()}, env.group_ptr);
+      ASSERT_TRUE(dp.ok()) << dp.status();
+      bias.set_requires_grad(true);
+      const Tensor x = Tensor::uniform({3, 4}, gen, -1, 1);
+      try {
+        (void)(**dp)(x);
+        ADD_FAILURE() << "expected a ReducerError from the forward";
+      } catch (const ReducerError& e) {
+        EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+        EXPECT_THAT(std::string(e.status().message()),
+                    HasSubstr("parameter '2.bias' is trainable but no Oss holds it"));
+        EXPECT_THAT(std::string(e.status().message()), HasSubstr("Oss::add_param_group"));
+      }
+      // Asked directly, refresh_trainable() returns the same Status.
+      const absl::Status refreshed = (*dp)->refresh_trainable();
+      EXPECT_EQ(refreshed.code(), absl::StatusCode::kFailedPrecondition) << refreshed;
+      // Nothing was changed: with the parameter in an Oss group, the next forward rebuilds the reducer and
+      // the parameter trains (its gradient is reduced to its owner, which steps it).
+      ASSERT_TRUE((*oss)->add_param_group({{bias}, {.lr = 0.1}}).ok());
+      const std::vector<float> before = bias.to_vector();
+      (*oss)->zero_grad();
+      const absl::Status backward = autograd::try_backward(autograd::sum((**dp)(x)));
+      ASSERT_TRUE(backward.ok()) << backward;
+      ASSERT_TRUE((*oss)->step().ok());
+      EXPECT_NE(bias.to_vector(), before);
+      EXPECT_EQ((*dp)->trainable_numel(), 4 * 8 + 8 + 8 * 2 + 2);
+    });
+    EXPECT_TRUE(st.ok()) << st;
+  }
+}
+
 // ---- errors during backward ----
 
 TEST(Reducer, AGradientMarkedReadyTwiceInOneBackwardIsAClearError) {
