@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/optim/state_dict_validation.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -86,51 +88,111 @@ absl::StatusOr<optim::OptimizerStateDict> full_optimizer_state(const FullySharde
 
 absl::Status load_full_optimizer_state(const FullyShardedModel& fs, const nn::Module& root, optim::Optimizer& opt,
                                        const optim::OptimizerStateDict& full) {
-  absl::StatusOr<Mapping> m = MapShards(fs, root, opt);
-  if (!m.ok()) return m.status();
-  if (full.param_groups.size() != opt.num_param_groups()) {
-    return absl::InvalidArgumentError(absl::StrCat("fsdp optimizer state: expected ", opt.num_param_groups(),
-                                                   " param groups, found ", full.param_groups.size()));
-  }
-  const int world = fs.process_group().size(), rank = fs.process_group().rank();
+  comm::ProcessGroup& pg = fs.process_group();
+  const int world = pg.size(), rank = pg.rank();
+  // 1. Check everything and build this rank's shard state, changing nothing.
   optim::OptimizerStateDict local;
-  local.optimizer = full.optimizer;
-  std::int64_t k = 0;
-  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
-    optim::ParamGroupState lg{full.param_groups[g].hyper, {}};
-    for (std::size_t i = 0; i < opt.param_group(g).params.size(); ++i, ++k) {
-      lg.params.push_back(k);
-      const std::size_t u = m->unit_of_shard[static_cast<std::size_t>(k)];
-      const FullyShardedModel::UnitLayout& lay = m->layouts[u];
-      const auto& idx = m->full_index[u];
-      std::size_t with_state = 0;
-      for (std::int64_t fi : idx) with_state += full.state.count(fi);
-      if (with_state == 0) continue;
-      if (with_state != idx.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("fsdp optimizer state: expected state for all or none of unit ",
-                                                       u, "'s ", idx.size(), " parameters, found ", with_state));
-      }
-      optim::ParamState shard_state;
-      shard_state.step = full.state.at(idx[0]).step;
-      for (const auto& [key, unused] : full.state.at(idx[0]).tensors) {
-        Tensor flat = Tensor::zeros({lay.shard_size * world}, TensorOptions{}.with_category(MemoryCategory::optimizer_state));
-        for (std::size_t p = 0; p < idx.size(); ++p) {
-          const optim::ParamState& ps = full.state.at(idx[p]);
-          auto t = ps.tensors.find(key);
-          if (ps.step != shard_state.step || t == ps.tensors.end() || t->second.numel() != lay.params[p].numel()) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "fsdp optimizer state: parameter ", idx[p], " does not match its unit (expected step ", shard_state.step,
-                ", state '", key, "' of ", lay.params[p].numel(), " elements)"));
-          }
-          flat.view(lay.offsets[p], {lay.params[p].numel()}).copy_(t->second.reshape({t->second.numel()}));
+  absl::Status checked = [&]() -> absl::Status {
+    absl::StatusOr<Mapping> m = MapShards(fs, root, opt);
+    if (!m.ok()) return m.status();
+    // The parameters the full state describes: per group, the module parameters of the units whose shards
+    // are in it, in root.parameters() order (as full_optimizer_state writes them).
+    std::vector<std::vector<std::pair<std::int64_t, Tensor>>> by_group(opt.num_param_groups());
+    std::int64_t k = 0;
+    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
+      for (std::size_t i = 0; i < opt.param_group(g).params.size(); ++i, ++k) {
+        const std::size_t u = m->unit_of_shard[static_cast<std::size_t>(k)];
+        for (std::size_t p = 0; p < m->layouts[u].params.size(); ++p) {
+          by_group[g].emplace_back(m->full_index[u][p], m->layouts[u].params[p]);
         }
-        shard_state.tensors[key] = flat.view(rank * lay.shard_size, {lay.shard_size});
       }
-      local.state[k] = std::move(shard_state);
+      std::sort(by_group[g].begin(), by_group[g].end(),
+                [](const auto& a, const auto& b) { return a.first < b.first; });
     }
-    local.param_groups.push_back(std::move(lg));
+    optim::ParamLayout layout(by_group.size());
+    for (std::size_t g = 0; g < by_group.size(); ++g) {
+      for (const auto& [position, param] : by_group[g]) layout[g].push_back(optim::ParamSpec::of(param));
+    }
+    // The checks every loader makes (Note [state dict validation]); then the dict's i-th index of group g is
+    // the group's i-th parameter.
+    if (absl::Status s = optim::validate_state_dict(full, opt, layout); !s.ok()) return s;
+    std::map<std::int64_t, const optim::ParamState*> state_of;  // by position in root.parameters()
+    for (std::size_t g = 0; g < by_group.size(); ++g) {
+      for (std::size_t i = 0; i < by_group[g].size(); ++i) {
+        auto st = full.state.find(full.param_groups[g].params[i]);
+        if (st != full.state.end()) state_of[by_group[g][i].first] = &st->second;
+      }
+    }
+    // What only FSDP asks: a unit's parameters are one optimizer parameter (its shard), so they have state
+    // together, with one step count and one set of keys.
+    local.optimizer = full.optimizer;
+    k = 0;
+    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
+      optim::ParamGroupState lg{full.param_groups[g].hyper, {}};
+      for (std::size_t i = 0; i < opt.param_group(g).params.size(); ++i, ++k) {
+        lg.params.push_back(k);
+        const std::size_t u = m->unit_of_shard[static_cast<std::size_t>(k)];
+        const FullyShardedModel::UnitLayout& lay = m->layouts[u];
+        const auto& idx = m->full_index[u];
+        std::vector<const optim::ParamState*> states;
+        for (std::int64_t fi : idx) {
+          auto it = state_of.find(fi);
+          if (it != state_of.end()) states.push_back(it->second);
+        }
+        if (states.empty()) continue;
+        const std::string unit = absl::StrCat("unit ", u, " ('", fs.unit_name(u), "')");
+        if (states.size() != idx.size()) {
+          return absl::InvalidArgumentError(absl::StrCat("expected state for all or none of ", unit, "'s ",
+                                                         idx.size(), " parameters, found ", states.size()));
+        }
+        const optim::ParamState& first = *states[0];
+        optim::ParamState shard_state;
+        shard_state.step = first.step;
+        for (std::size_t p = 0; p < idx.size(); ++p) {
+          const optim::ParamState& ps = *states[p];
+          if (ps.step != first.step) {
+            return absl::InvalidArgumentError(absl::StrCat("parameter ", idx[p], ": expected step ", first.step,
+                                                           " like the rest of ", unit, ", found ", ps.step));
+          }
+          if (ps.tensors.size() != first.tensors.size() ||
+              !std::equal(ps.tensors.begin(), ps.tensors.end(), first.tensors.begin(),
+                          [](const auto& a, const auto& b) { return a.first == b.first; })) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("parameter ", idx[p], ": expected the state keys of the rest of ", unit));
+          }
+        }
+        for (const auto& [key, unused] : first.tensors) {
+          Tensor flat = Tensor::zeros({lay.shard_size * world}, TensorOptions{}.with_category(MemoryCategory::optimizer_state));
+          for (std::size_t p = 0; p < idx.size(); ++p) {
+            const Tensor& t = states[p]->tensors.at(key);  // validated: f32, shaped like the parameter
+            flat.view(lay.offsets[p], {lay.params[p].numel()}).copy_(t.reshape({t.numel()}));
+          }
+          shard_state.tensors[key] = flat.view(rank * lay.shard_size, {lay.shard_size});
+        }
+        local.state[k] = std::move(shard_state);
+      }
+      local.param_groups.push_back(std::move(lg));
+    }
+    return opt.check_state_dict(local);
+  }();
+  if (!checked.ok()) {
+    checked = absl::Status(checked.code(), absl::StrCat("load_full_optimizer_state: ", checked.message()));
   }
-  return opt.load_state_dict(local);
+  // 2. Agree, as Oss::load_state_dict does: the lowest rank that refused, or `world` when none did. Every rank
+  //    loads, or none does.
+  Tensor verdict = Tensor::from_int64({checked.ok() ? world : rank}, {1});
+  const absl::Status agreed =
+      pg.all_reduce(verdict, {.op = comm::ReduceOp::min(), .tag = "fsdp load_full_optimizer_state"})->wait();
+  if (!checked.ok()) return checked;
+  if (!agreed.ok()) return agreed;
+  if (const auto refused_by = static_cast<int>(verdict.item()); refused_by != world) {
+    return absl::InvalidArgumentError(absl::StrCat("load_full_optimizer_state: rank ", refused_by,
+                                                   " rejected the state dict (its error says why); nothing was loaded"));
+  }
+  // 3. Commit.
+  const absl::Status loaded = opt.load_state_dict(local);
+  SK_CHECK(loaded.ok()) << "a checked optimizer state was refused: " << loaded;
+  return absl::OkStatus();
 }
 
 }  // namespace shardkit::fsdp

@@ -23,10 +23,13 @@ namespace shardkit::fsdp {
 absl::StatusOr<optim::OptimizerStateDict> full_optimizer_state(const FullyShardedModel& fs, const nn::Module& root,
                                                                const optim::Optimizer& opt);
 
-// Loads a full state (every rank passes the same dict) into `opt`, each rank keeping its shard's part. Not a
-// collective. InvalidArgument (and `opt` unchanged) when the dict does not fit: group count, a parameter
-// without state while another of its unit has some, step counts that differ inside a unit, tensor sizes,
-// and whatever Optimizer::load_state_dict refuses.
+// Loads a full state (every rank passes the same dict) into `opt`, each rank keeping its shard's part.
+// Collective (one all_reduce: every rank loads, or none does). InvalidArgument, on every rank and with `opt`
+// unchanged on every rank, when the dict does not fit: whatever any optimizer over the module's parameters
+// would refuse (Note [state dict validation] in common/optim/state_dict_validation.h: names, group and
+// parameter counts, negative or duplicate indices, state for an index no group lists, keys, shapes, dtypes,
+// step counts, hyper-parameters), and what only FSDP asks: the parameters of one unit have state together,
+// with one step count and one set of keys. A rank whose own dict was fine says which rank refused.
 absl::Status load_full_optimizer_state(const FullyShardedModel& fs, const nn::Module& root, optim::Optimizer& opt,
                                        const optim::OptimizerStateDict& full);
 

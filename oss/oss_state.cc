@@ -12,6 +12,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/optim/state_dict_validation.h"
 #include "common/tensor/rank_context.h"
 #include "oss/oss.h"
 
@@ -246,50 +247,14 @@ absl::StatusOr<optim::OptimizerStateDict> Oss::state_dict() {
 }
 
 absl::Status Oss::load_state_dict(const optim::OptimizerStateDict& full) {
-  // 1. Checks every rank can make without the others (so all ranks agree on them).
+  // 1. The checks every rank makes alike on the whole dict, before anything is re-sharded: the same as any
+  //    optimizer over the global parameters would make (Note [state dict validation]).
   absl::Status local = [&]() -> absl::Status {
-    if (full.optimizer != inner_->name()) {
-      return absl::InvalidArgumentError(absl::StrCat("load_state_dict: expected optimizer '", inner_->name(),
-                                                     "', found '", full.optimizer, "'"));
+    if (absl::Status s = optim::validate_state_dict(full, *inner_, optim::param_layout(groups_)); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("load_state_dict: ", s.message()));
     }
-    if (full.param_groups.size() != groups_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("load_state_dict: expected ", groups_.size(),
-                                                     " param groups, found ", full.param_groups.size()));
-    }
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      if (full.param_groups[g].params.size() != groups_[g].params.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("load_state_dict: param group ", g, ": expected ",
-                                                       groups_[g].params.size(), " parameters, found ",
-                                                       full.param_groups[g].params.size()));
-      }
-    }
-    // Map dict index -> (group, param) by position (as the optimizer does).
-    std::map<std::int64_t, std::pair<std::size_t, std::size_t>> where;
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      for (std::size_t i = 0; i < groups_[g].params.size(); ++i) {
-        if (!where.emplace(full.param_groups[g].params[i], std::make_pair(g, i)).second) {
-          return absl::InvalidArgumentError(absl::StrCat("load_state_dict: parameter index ",
-                                                         full.param_groups[g].params[i], " listed twice"));
-        }
-      }
-    }
-    for (const auto& [index, st] : full.state) {
-      auto it = where.find(index);
-      if (it == where.end()) {
-        return absl::InvalidArgumentError(absl::StrCat("load_state_dict: state for parameter index ", index,
-                                                       " that no param group lists"));
-      }
-      const Tensor& p = groups_[it->second.first].params[it->second.second];
-      for (const auto& [key, t] : st.tensors) {
-        if (!t.defined() || t.shape() != p.shape()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "load_state_dict: parameter ", index, " state '", key, "': expected shape ", shape_str(p.shape()),
-              ", found ", t.defined() ? shape_str(t.shape()) : std::string("undefined")));
-        }
-      }
-    }
-    // 2. This rank's part, with local indices, loaded into the inner optimizer (which checks keys, dtypes,
-    //    steps and hyper-parameters, and is unchanged on error).
+    // 2. This rank's part, with local indices, loaded into the inner optimizer (which checks it again, over
+    //    the shard's tensors, and is unchanged on error).
     optim::OptimizerStateDict mine;
     mine.optimizer = full.optimizer;
     std::int64_t next_local = 0;

@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "common/optim/state_dict_validation.h"
 #include "common/tensor/rank_context.h"
 
 namespace shardkit::optim {
@@ -163,82 +163,31 @@ OptimizerStateDict Optimizer::state_dict() const {
   return d;
 }
 
-namespace {
-
-std::string KeyList(const std::set<std::string>& keys) {
-  if (keys.empty()) return "none";
-  return absl::StrJoin(keys, ", ");
+Optimizer::StateKeys Optimizer::state_keys(const HyperParams& h, DType dtype) const {
+  StateKeys keys;
+  for (std::string& k : required_state_keys(h)) keys.required.insert(std::move(k));
+  if (needs_master(dtype)) keys.required.insert(kMaster);
+  for (std::string& k : optional_state_keys(h)) {
+    if (!keys.required.contains(k)) keys.optional.insert(std::move(k));
+  }
+  return keys;
 }
 
-}  // namespace
+absl::Status Optimizer::check_state_dict(const OptimizerStateDict& dict) const {
+  absl::Status s = validate_state_dict(dict, *this, param_layout(groups_));
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(name_, " load_state_dict: ", s.message()));
+}
 
 absl::Status Optimizer::load_state_dict(const OptimizerStateDict& dict) {
-  auto fail = [&](const std::string& msg) {
-    return absl::InvalidArgumentError(absl::StrCat(name_, " load_state_dict: ", msg));
-  };
-  if (dict.optimizer != name_) {
-    return fail(absl::StrCat("expected a state dict of ", name_, ", found one of ",
-                             dict.optimizer.empty() ? std::string("<unnamed>") : dict.optimizer));
-  }
-  if (dict.param_groups.size() != groups_.size()) {
-    return fail(absl::StrCat("expected ", groups_.size(), " param groups, found ", dict.param_groups.size()));
-  }
-  // Pass 1: validate everything and pair each dict index with one of our parameter positions.
+  if (absl::Status s = check_state_dict(dict); !s.ok()) return s;
+  // Pair each dict index with one of our parameter positions (checked: same counts, unique indices).
   absl::flat_hash_map<std::int64_t, std::size_t> position_of;  // dict index -> our position
-  std::vector<const HyperParams*> group_of_position;
   std::size_t position = 0;
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    const ParamGroupState& gs = dict.param_groups[g];
-    if (gs.params.size() != groups_[g].params.size()) {
-      return fail(absl::StrCat("param group ", g, ": expected ", groups_[g].params.size(), " parameters, found ",
-                               gs.params.size()));
-    }
-    if (absl::Status s = validate_hyper(gs.hyper); !s.ok()) {
-      return fail(absl::StrCat("param group ", g, ": ", s.message()));
-    }
-    for (std::int64_t idx : gs.params) {
-      if (!position_of.emplace(idx, position++).second) {
-        return fail(absl::StrCat("expected each parameter index once, found index ", idx, " twice"));
-      }
-      group_of_position.push_back(&gs.hyper);
-    }
+  for (const ParamGroupState& gs : dict.param_groups) {
+    for (std::int64_t idx : gs.params) position_of.emplace(idx, position++);
   }
-  for (const auto& [idx, st] : dict.state) {
-    auto it = position_of.find(idx);
-    if (it == position_of.end()) {
-      return fail(absl::StrCat("unexpected state for parameter index ", idx, ", which no param group lists"));
-    }
-    const std::size_t pos = it->second;
-    const Tensor& p = param(static_cast<std::int64_t>(pos));
-    const HyperParams& h = *group_of_position[pos];
-    const std::string where = absl::StrCat("parameter ", idx, " (", p.describe(), "): ");
-    if (st.step < 0) return fail(absl::StrCat(where, "expected a step count >= 0, found ", st.step));
-    std::set<std::string> required, allowed;
-    for (auto& k : required_state_keys(h)) required.insert(k);
-    if (needs_master(p.dtype())) required.insert(kMaster);
-    allowed = required;
-    for (auto& k : optional_state_keys(h)) allowed.insert(k);
-    for (const std::string& k : required) {
-      if (!st.tensors.contains(k)) {
-        return fail(absl::StrCat(where, "missing state key '", k, "' (expected keys: ", KeyList(required), ")"));
-      }
-    }
-    for (const auto& [k, t] : st.tensors) {
-      if (!allowed.contains(k)) {
-        return fail(absl::StrCat(where, "unexpected state key '", k, "' (expected keys: ", KeyList(required),
-                                 allowed.size() > required.size() ? " and optionally others" : "", ")"));
-      }
-      if (!t.defined()) return fail(absl::StrCat(where, "state '", k, "': expected a tensor, found undefined"));
-      if (t.dtype() != DType::f32 || !t.device().is_cpu()) {
-        return fail(absl::StrCat(where, "state '", k, "': expected an f32 CPU tensor, found ", t.describe()));
-      }
-      if (t.shape() != p.shape()) {
-        return fail(absl::StrCat(where, "state '", k, "': expected shape ", shape_str(p.shape()), ", found ",
-                                 shape_str(t.shape())));
-      }
-    }
-  }
-  // Pass 2: build the new state off to the side, then commit (nothing below can fail).
+  // Build the new state off to the side, then commit (nothing below can fail).
   MemoryCategoryScope category(MemoryCategory::optimizer_state);
   std::vector<std::optional<ParamState>> states(states_.size());
   for (const auto& [idx, st] : dict.state) {

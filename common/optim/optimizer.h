@@ -31,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -82,10 +83,22 @@ class Optimizer {
   // Replaces the state and every group's hyper-parameters with the dict's (values are copied into new
   // optimizer_state tensors; the dict is not kept). On any mismatch it returns InvalidArgument saying what
   // was expected and what was found, and the optimizer is unchanged: optimizer name, number of groups,
-  // number of params per group, duplicate indices, state for an index no group lists, missing or unexpected
-  // state keys, tensor shapes and dtypes (state tensors are f32), negative step counts, and hyper-parameters
-  // out of range.
+  // number of params per group, negative or duplicate indices, state for an index no group lists, missing
+  // or unexpected state keys, tensor shapes and dtypes (state tensors are f32), negative step counts, and
+  // hyper-parameters out of range (Note [state dict validation] in state_dict_validation.h).
   absl::Status load_state_dict(const OptimizerStateDict& dict);
+  // What load_state_dict(dict) would return, without loading anything.
+  absl::Status check_state_dict(const OptimizerStateDict& dict) const;
+
+  // The rules a state dict of this optimizer's type follows, whatever its parameters (validate_state_dict
+  // uses them): the range checks of a group's hyper-parameters ("expected lr >= 0, found -1"), and the state
+  // keys a parameter of dtype `dtype` in a group with `h` must have (required, "master" included for bf16 /
+  // f16) and may have besides (optional).
+  absl::Status check_hyper(const HyperParams& h) const { return validate_hyper(h); }
+  struct StateKeys {
+    std::set<std::string> required, optional;
+  };
+  StateKeys state_keys(const HyperParams& h, DType dtype) const;
 
   // Re-reads every bf16/f16 parameter's fp32 master from the parameter's current values.
   void sync_master_from_params();

@@ -8,7 +8,8 @@
 // Optimizer::state_dict() always writes indices 0..N-1 in that order. load_state_dict() does what
 // PyTorch does: it pairs the dict's groups with the optimizer's groups by position, and inside each group
 // pairs the dict's i-th index with the optimizer's i-th parameter; the index *values* only have to be
-// unique and to match the keys of `state`. That is what lets a sharding layer (OSS):
+// unique, >= 0, and to match the keys of `state`. Every loader checks a dict the same way
+// (Note [state dict validation] in state_dict_validation.h). That is what lets a sharding layer (OSS):
 //   (a) build an inner Optimizer over the subset of parameters a rank owns (same groups, same order,
 //       possibly empty groups), and
 //   (b) translate: its inner state dict uses local indices 0..n-1, which it maps to global indices with

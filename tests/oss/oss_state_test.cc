@@ -147,48 +147,75 @@ TEST_P(OssResume, MergeOfShardedStateDictsEqualsConsolidation) {
 INSTANTIATE_TEST_SUITE_P(Policies, OssResume, ::testing::Values(PartitionPolicy::greedy, PartitionPolicy::flat),
                          [](const auto& info) { return partition_policy_name(info.param); });
 
-// A dict that only the owner of one parameter can find wrong: every rank must reject it and keep its state.
+// Bad dicts are refused by every rank with the message any optimizer gives (Note [state dict validation]),
+// naming the entry, and every rank keeps its state. The last case goes to rank 2 only (the others get a good
+// dict with other values): they refuse too, and keep their state rather than load theirs.
 TEST(OssLoadTest, BadStateDictsAreRejectedEverywhereAndChangeNothing) {
   const RunResult saved = RunSharded(3, PartitionPolicy::greedy, InitialValues(), 0, 3, nullptr);
   ASSERT_TRUE(saved.state.has_value());
   struct Case {
     std::string expect;
     std::function<void(optim::OptimizerStateDict&)> corrupt;
+    int only_rank = -1;  // >= 0: only this rank gets the bad dict
   };
+  const std::string missing_key =
+      "load_state_dict: parameter 5 (f32[11] cpu): missing state key 'exp_avg_sq' (expected keys: exp_avg, exp_avg_sq)";
   const std::vector<Case> cases = {
-      {"expected optimizer 'AdamW', found 'SGD'", [](auto& d) { d.optimizer = "SGD"; }},
-      {"expected 1 param groups, found 2", [](auto& d) { d.param_groups.push_back(d.param_groups[0]); }},
-      {"expected shape [5], found [4]", [](auto& d) { d.state.at(1).tensors.at(optim::kExpAvg) = Tensor::zeros({4}); }},
-      // A missing key only the owner (rank 2: greedy puts the 11-element parameter there) can see.
-      {"rank 2 rejected the state dict", [](auto& d) { d.state.at(5).tensors.erase(optim::kExpAvgSq); }},
+      {"load_state_dict: expected a state dict of AdamW, found one of SGD", [](auto& d) { d.optimizer = "SGD"; }},
+      {"load_state_dict: expected 1 param groups, found 2", [](auto& d) { d.param_groups.push_back(d.param_groups[0]); }},
+      {"load_state_dict: param group 0: expected 6 parameters, found 5", [](auto& d) { d.param_groups[0].params.pop_back(); }},
+      {"load_state_dict: param group 0: expected lr >= 0, found -1", [](auto& d) { d.param_groups[0].hyper.lr = -1; }},
+      {"load_state_dict: param group 0, entry 2: expected a parameter index >= 0, found -1",
+       [](auto& d) { d.param_groups[0].params[2] = -1; }},
+      {"load_state_dict: expected each parameter index once, found index 0 twice",
+       [](auto& d) { d.param_groups[0].params[3] = 0; }},
+      {"load_state_dict: unexpected state for parameter index 6, which no param group lists",
+       [](auto& d) { d.state[6] = d.state.at(0); }},
+      {"load_state_dict: parameter 1 (f32[5] cpu): state 'exp_avg': expected shape [5], found [4]",
+       [](auto& d) { d.state.at(1).tensors.at(optim::kExpAvg) = Tensor::zeros({4}); }},
+      {"load_state_dict: parameter 3 (f32[2, 2] cpu): state 'exp_avg_sq': expected an f32 CPU tensor, found bf16[2, 2] cpu",
+       [](auto& d) { d.state.at(3).tensors.at(optim::kExpAvgSq) = Tensor::zeros({2, 2}, TensorOptions{}.with_dtype(DType::bf16)); }},
+      {"load_state_dict: parameter 4 (f32[1] cpu): expected a step count >= 0, found -2", [](auto& d) { d.state.at(4).step = -2; }},
+      // Greedy puts the 11-element parameter on rank 2: every rank checks it all the same.
+      {missing_key, [](auto& d) { d.state.at(5).tensors.erase(optim::kExpAvgSq); }},
+      {missing_key, [](auto& d) { d.state.at(5).tensors.erase(optim::kExpAvgSq); }, /*only_rank=*/2},
   };
+  // A good dict with other values than the state loaded first.
+  optim::OptimizerStateDict other = saved.state->clone();
+  for (auto& [index, ps] : other.state) ps.tensors.at(optim::kExpAvg).fill_(0.5f);
   for (const Case& c : cases) {
+    SCOPED_TRACE(c.expect);
     optim::OptimizerStateDict bad = saved.state->clone();
     c.corrupt(bad);
-    std::vector<std::string> errors(3);
+    std::vector<absl::Status> errors(3);
     std::vector<optim::OptimizerStateDict> after(1);
     absl::Status st = comm::RunRanks(3, [&](comm::RankEnv& env) -> absl::Status {
       std::vector<Tensor> params = MakeParams(saved.params);
       auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr);
       if (!oss.ok()) return oss.status();
       if (absl::Status s = (*oss)->load_state_dict(*saved.state); !s.ok()) return s;
-      absl::Status s = (*oss)->load_state_dict(bad);
-      errors[static_cast<std::size_t>(env.rank)] = std::string(s.message());
+      const bool gets_bad = c.only_rank < 0 || c.only_rank == env.rank;
+      absl::Status s = (*oss)->load_state_dict(gets_bad ? bad : other);
+      errors[static_cast<std::size_t>(env.rank)] = s;
       if (s.ok()) return absl::InternalError("a bad state dict was accepted");
       if (absl::Status c2 = (*oss)->consolidate_state_dict(0); !c2.ok()) return c2;
       if (env.rank == 0) after[0] = *(*oss)->state_dict();
       return absl::OkStatus();
     });
-    ASSERT_TRUE(st.ok()) << c.expect << ": " << st;
-    for (const std::string& e : errors) EXPECT_THAT(e, HasSubstr(c.expect));
-    if (c.expect.starts_with("rank 2")) {
-      EXPECT_THAT(errors[2], HasSubstr("missing state key 'exp_avg_sq'"));
+    ASSERT_TRUE(st.ok()) << st;
+    for (int r = 0; r < 3; ++r) {
+      const absl::Status& e = errors[static_cast<std::size_t>(r)];
+      EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument) << "rank " << r << ": " << e;
+      const bool got_bad = c.only_rank < 0 || c.only_rank == r;
+      EXPECT_THAT(std::string(e.message()), HasSubstr(got_bad ? c.expect : "load_state_dict: rank 2 rejected the state dict"))
+          << "rank " << r;
     }
     // The state is the good one loaded before.
-    ASSERT_EQ(after[0].state.size(), saved.state->state.size()) << c.expect;
+    ASSERT_EQ(after[0].state.size(), saved.state->state.size());
     for (const auto& [index, ps] : saved.state->state) {
+      EXPECT_EQ(after[0].state.at(index).step, ps.step);
       for (const auto& [key, t] : ps.tensors) {
-        EXPECT_EQ(after[0].state.at(index).tensors.at(key).to_vector(), t.to_vector()) << c.expect;
+        EXPECT_EQ(after[0].state.at(index).tensors.at(key).to_vector(), t.to_vector());
       }
     }
   }

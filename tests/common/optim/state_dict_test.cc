@@ -123,6 +123,8 @@ TEST(StateDictTest, BadDictsGiveClearErrorsAndChangeNothing) {
        "param group 1: expected 2 parameters, found 3"},
       {"duplicate", [](OptimizerStateDict& d) { d.param_groups[1].params[1] = 0; },
        "expected each parameter index once, found index 0 twice"},
+      {"negative index", [](OptimizerStateDict& d) { d.param_groups[0].params[1] = -1; },
+       "param group 0, entry 1: expected a parameter index >= 0, found -1"},
       {"unknown index", [](OptimizerStateDict& d) { d.state[99] = d.state.at(0); },
        "unexpected state for parameter index 99, which no param group lists"},
       {"missing key", [](OptimizerStateDict& d) { d.state.at(1).tensors.erase(kExpAvgSq); },
