@@ -2,6 +2,8 @@
 
 #include <bit>
 #include <cstring>
+#include <limits>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -9,13 +11,48 @@
 
 namespace shardkit {
 
-std::int64_t shape_numel(const Shape& shape) {
+namespace {
+
+// The product of the dimensions, or nullopt when it exceeds INT64_MAX (Note [checked shapes]). Dimensions
+// must be >= 0.
+std::optional<std::int64_t> product(const Shape& shape) {
+  for (std::int64_t d : shape) {
+    if (d == 0) return 0;
+  }
   std::int64_t n = 1;
   for (std::int64_t d : shape) {
-    SK_CHECK_GE(d, 0) << "negative dimension in " << shape_str(shape);
-    n *= d;
+    if (__builtin_mul_overflow(n, d, &n)) return std::nullopt;
   }
   return n;
+}
+
+}  // namespace
+
+std::int64_t shape_numel(const Shape& shape) {
+  for (std::int64_t d : shape) SK_CHECK_GE(d, 0) << "negative dimension in " << shape_str(shape);
+  const std::optional<std::int64_t> n = product(shape);
+  SK_CHECK(n.has_value()) << "the element count of shape " << shape_str(shape) << " exceeds INT64_MAX";
+  return *n;
+}
+
+absl::StatusOr<std::int64_t> checked_numel(const Shape& shape, DType dtype) {
+  for (std::int64_t d : shape) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expected dimensions >= 0, found ", d, " in shape ", shape_str(shape)));
+    }
+  }
+  const std::optional<std::int64_t> n = product(shape);
+  if (!n) {
+    return absl::InvalidArgumentError(absl::StrCat("expected at most ", std::numeric_limits<std::int64_t>::max(),
+                                                   " elements, found shape ", shape_str(shape)));
+  }
+  if (std::int64_t bytes = 0; __builtin_mul_overflow(*n, static_cast<std::int64_t>(dtype_size(dtype)), &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expected at most ", std::numeric_limits<std::int64_t>::max(), " bytes, found shape ", shape_str(shape), " of ",
+        std::string(dtype_name(dtype)), " (", *n, " elements of ", dtype_size(dtype), " bytes)"));
+  }
+  return *n;
 }
 
 std::string shape_str(const Shape& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
@@ -98,7 +135,10 @@ void convert_elements(const void* src, DType src_dtype, void* dst, DType dst_dty
 }
 
 Tensor Tensor::empty(const Shape& shape, const TensorOptions& options) {
-  const std::size_t nbytes = static_cast<std::size_t>(shape_numel(shape)) * dtype_size(options.dtype);
+  const std::int64_t numel = shape_numel(shape);
+  SK_CHECK_LE(numel, std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(dtype_size(options.dtype)))
+      << "bytes of shape " << shape_str(shape) << " in " << dtype_name(options.dtype) << " exceed INT64_MAX";
+  const std::size_t nbytes = static_cast<std::size_t>(numel) * dtype_size(options.dtype);
   auto storage = Storage::allocate(nbytes, options.device, options.category.value_or(current_memory_category()));
   return Tensor(MakeImpl(std::move(storage), 0, shape, options.dtype));
 }
@@ -143,7 +183,10 @@ Tensor Tensor::normal(const Shape& shape, Generator& gen, float mean, float stdd
 
 Tensor Tensor::over(std::shared_ptr<Storage> storage, std::size_t offset_bytes, const Shape& shape, DType dtype) {
   SK_CHECK(storage != nullptr);
-  const std::size_t need = offset_bytes + static_cast<std::size_t>(shape_numel(shape)) * dtype_size(dtype);
+  std::size_t need = 0;
+  SK_CHECK(!__builtin_mul_overflow(static_cast<std::size_t>(shape_numel(shape)), dtype_size(dtype), &need) &&
+           !__builtin_add_overflow(need, offset_bytes, &need))
+      << "tensor " << shape_str(shape) << " at byte " << offset_bytes << " overflows size_t";
   SK_CHECK_LE(need, storage->nbytes()) << "tensor " << shape_str(shape) << " past the end of its storage";
   return Tensor(MakeImpl(std::move(storage), offset_bytes, shape, dtype));
 }
@@ -257,7 +300,9 @@ Tensor Tensor::reshape(const Shape& new_shape) const {
       SK_CHECK_EQ(infer, -1) << "more than one -1 in reshape to " << shape_str(new_shape);
       infer = static_cast<std::int64_t>(i);
     } else {
-      known *= s[i];
+      SK_CHECK_GE(s[i], 0) << "negative dimension in reshape to " << shape_str(new_shape);
+      SK_CHECK(!__builtin_mul_overflow(known, s[i], &known))
+          << "the element count of reshape to " << shape_str(new_shape) << " exceeds INT64_MAX";
     }
   }
   if (infer >= 0) {

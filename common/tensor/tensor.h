@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "common/base/check.h"
 #include "common/tensor/device.h"
 #include "common/tensor/dtype.h"
@@ -36,7 +37,18 @@ struct AutogradMeta;  // defined by common/autograd
 
 using Shape = std::vector<std::int64_t>;
 
+// Note [checked shapes]: a shape's element count, and its byte count in a dtype, must fit in int64 (a
+// product that overflows would wrap to a small or negative count and the tensor would be addressed past
+// its storage). Shapes the library builds itself go through shape_numel, which checks (SK_CHECK: a broken
+// invariant). Shapes read from outside -- a checkpoint file, another rank, a user -- go through
+// checked_numel first, which returns the error instead. A zero dimension makes the count 0 whatever the
+// other dimensions are.
+
+// Elements of `shape`. SK_CHECKs that no dimension is negative and that the count fits in int64.
 std::int64_t shape_numel(const Shape& shape);
+// Elements of `shape`, or InvalidArgument naming the shape when a dimension is negative or the element
+// count, or the byte count in `dtype`, exceeds INT64_MAX.
+absl::StatusOr<std::int64_t> checked_numel(const Shape& shape, DType dtype);
 std::string shape_str(const Shape& shape);
 
 struct TensorOptions {

@@ -7,10 +7,13 @@
 
 #include <sys/stat.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <regex>
 #include <string>
 #include <utility>
@@ -50,6 +53,86 @@ std::string Field(const std::string& out, const std::string& key) {
     pos = end;
   }
   return value;
+}
+
+// A checkpoint file taken apart (Note [checkpoint format] in tools/shardkit_train/checkpoint.h) so a test can
+// craft what shardkit-train never writes, and put back together with a valid checksum (FNV-1a 64).
+struct CkptTensor {
+  std::string name;
+  std::uint8_t dtype = 0;
+  std::vector<std::uint64_t> dims;
+  std::string bytes;
+};
+struct CkptFile {
+  std::string meta;
+  std::vector<CkptTensor> tensors;
+  CkptTensor& at(const std::string& name) {
+    for (CkptTensor& t : tensors) {
+      if (t.name == name) return t;
+    }
+    ADD_FAILURE() << "no tensor " << name;
+    return tensors.front();
+  }
+};
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+CkptFile ReadCkpt(const std::string& path) {
+  const std::string b = ReadBytes(path);
+  std::size_t pos = 8;
+  auto u64 = [&] { std::uint64_t v = 0; std::memcpy(&v, b.data() + pos, 8); pos += 8; return v; };
+  auto u32 = [&] { std::uint32_t v = 0; std::memcpy(&v, b.data() + pos, 4); pos += 4; return v; };
+  CkptFile f;
+  const std::uint64_t meta_bytes = u64();
+  f.meta = b.substr(pos, meta_bytes);
+  pos += meta_bytes;
+  for (std::uint64_t n = u64(); n > 0; --n) {
+    CkptTensor t;
+    const std::uint32_t name_bytes = u32();
+    t.name = b.substr(pos, name_bytes);
+    pos += name_bytes;
+    t.dtype = static_cast<std::uint8_t>(b[pos++]);
+    for (std::uint32_t d = u32(); d > 0; --d) t.dims.push_back(u64());
+    const std::uint64_t nbytes = u64();
+    t.bytes = b.substr(pos, nbytes);
+    pos += nbytes;
+    f.tensors.push_back(std::move(t));
+  }
+  EXPECT_EQ(pos + 8, b.size());
+  return f;
+}
+
+void WriteCkpt(const std::string& path, const CkptFile& f) {
+  std::string out = "SKCKPT01";
+  auto u64 = [&](std::uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); };
+  auto u32 = [&](std::uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); };
+  u64(f.meta.size());
+  out += f.meta;
+  u64(f.tensors.size());
+  for (const CkptTensor& t : f.tensors) {
+    u32(static_cast<std::uint32_t>(t.name.size()));
+    out += t.name;
+    out.push_back(static_cast<char>(t.dtype));
+    u32(static_cast<std::uint32_t>(t.dims.size()));
+    for (std::uint64_t d : t.dims) u64(d);
+    u64(t.bytes.size());
+    out += t.bytes;
+  }
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : out) h = (h ^ c) * 1099511628211ull;
+  u64(h);
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(out.data(), static_cast<std::streamsize>(out.size()));
+}
+
+// A good 2-step checkpoint of model tiny (2 ranks, oss) in a fresh directory `name`; returns the directory.
+std::string TinyCheckpoint(const std::string& name) {
+  const std::string dir = TempDir(name);
+  const auto r = Train({"--model", "tiny", "--steps", "2", "--ranks", "2", "--sample", "0", "--checkpoint-dir", dir});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return dir;
 }
 
 void ExpectOneLineError(const testing::RunResult& r, const std::string& needle) {
@@ -112,6 +195,46 @@ TEST(ShardkitTrainBadInput, ResumeFromAnotherModelSizeOrCorruptFile) {
   ExpectOneLineError(Train({"--model", "tiny", "--steps", "4", "--checkpoint-dir", dir, "--resume"}), "is corrupt");
   ExpectOneLineError(Train({"--model", "tiny", "--steps", "4", "--checkpoint-dir", TempDir("none"), "--resume"}),
                      "cannot read checkpoint");
+  fs::remove_all(dir);
+}
+
+// --batch is bounded so that batch x context x ranks (tokens per step) cannot overflow; before the bound a
+// huge --batch overflowed those products (the run failed later with an unrelated internal check, or UBSan
+// aborted).
+TEST(ShardkitTrainBadInput, BatchAboveItsDocumentedLimit) {
+  ExpectOneLineError(Train({"--batch", "4611686018427387904"}),
+                     "expected --batch a batch size (sequences per rank) in [1, 65536], found '4611686018427387904'");
+  // "--steps 0" after it: a binary that accepted the batch stops at --steps instead of training with it.
+  ExpectOneLineError(Train({"--batch", "65537", "--steps", "0"}), "in [1, 65536], found '65537'");
+  const auto help = Train({"--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_THAT(help.out, HasSubstr("--batch N               sequences per rank per step (default 4, at most 65536)"));
+}
+
+// A crafted checkpoint whose shape's element or byte count overflows int64 is refused as corrupt, naming
+// the tensor (before: the product wrapped, 2^32 x 2^32 elements became 0 and matched a 0-byte payload).
+TEST(ShardkitTrainBadInput, ResumeFromCheckpointWithOverflowingShape) {
+  const std::string dir = TinyCheckpoint("overflowing_shape");
+  const std::string path = dir + "/checkpoint.skck";
+  const CkptFile good = ReadCkpt(path);
+  const std::vector<std::string> resume = {"--model", "tiny", "--steps", "4", "--checkpoint-dir", dir, "--resume"};
+  struct Case {
+    std::vector<std::uint64_t> dims;
+    std::string want;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{1ull << 32, 1ull << 32}, "shape of model/wpe.weight: expected at most 9223372036854775807 elements, "
+                                      "found shape [4294967296, 4294967296]"},
+           {{1ull << 31, 1ull << 31}, "shape of model/wpe.weight: expected at most 9223372036854775807 bytes, "
+                                      "found shape [2147483648, 2147483648] of f32"},
+           {{1ull << 63}, "dimension 0 of model/wpe.weight: expected at most 9223372036854775807, found "
+                          "9223372036854775808"}}) {
+    CkptFile f = good;
+    f.at("model/wpe.weight").dims = c.dims;
+    f.at("model/wpe.weight").bytes.clear();  // what a wrapped count of 0 elements would take
+    WriteCkpt(path, f);
+    ExpectOneLineError(Train(resume), "checkpoint '" + path + "' is corrupt: " + c.want);
+  }
   fs::remove_all(dir);
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -209,18 +210,24 @@ absl::StatusOr<Checkpoint> read_checkpoint(const std::string& path) {
     r.take(&dtype, 1);
     const std::uint32_t ndim = r.u32();
     if (!r.ok || ndim > 8 || dtype > static_cast<std::uint8_t>(DType::i64)) return corrupt(path, "bad tensor header of " + name);
+    // Note [checked shapes] (tensor.h): the shape comes from the file, so its counts are checked before
+    // anything is computed or allocated from them.
     Shape shape;
-    std::uint64_t numel = 1;
     for (std::uint32_t d = 0; d < ndim; ++d) {
       const std::uint64_t s = r.u64();
-      if (s > (1ull << 40)) return corrupt(path, "bad shape of " + name);
+      if (s > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+        return corrupt(path, absl::StrCat("dimension ", d, " of ", name, ": expected at most ",
+                                          std::numeric_limits<std::int64_t>::max(), ", found ", s));
+      }
       shape.push_back(static_cast<std::int64_t>(s));
-      numel *= s;
     }
-    const std::uint64_t nbytes = r.u64();
     const DType dt = static_cast<DType>(dtype);
-    if (!r.ok || nbytes != numel * dtype_size(dt) || nbytes > buf.size() - r.pos) {
-      return corrupt(path, absl::StrCat("expected ", numel * dtype_size(dt), " bytes of ", name, " within the file, found ", nbytes));
+    const absl::StatusOr<std::int64_t> numel = checked_numel(shape, dt);
+    if (!numel.ok()) return corrupt(path, absl::StrCat("shape of ", name, ": ", numel.status().message()));
+    const std::uint64_t want_bytes = static_cast<std::uint64_t>(*numel) * dtype_size(dt);  // <= INT64_MAX
+    const std::uint64_t nbytes = r.u64();
+    if (!r.ok || nbytes != want_bytes || nbytes > buf.size() - r.pos) {
+      return corrupt(path, absl::StrCat("expected ", want_bytes, " bytes of ", name, " within the file, found ", nbytes));
     }
     Tensor tensor = Tensor::empty(shape, TensorOptions{}.with_dtype(dt));
     std::memcpy(tensor.raw_data(), buf.data() + r.pos, nbytes);

@@ -14,7 +14,8 @@
 // Writing is atomic: the file is written to "<dir>/checkpoint.skck.tmp", flushed to disk, then renamed over
 // "<dir>/checkpoint.skck", so a process killed at any point leaves the last complete checkpoint.
 // Reading checks magic, size and checksum before parsing: a truncated or corrupted file is an error
-// (DataLoss), never a crash. No global state; thread-compatible.
+// (DataLoss), never a crash. Shapes are checked with checked_numel (Note [checked shapes], tensor.h) before
+// any count is computed from them. No global state; thread-compatible.
 #pragma once
 
 #include <cstdint>

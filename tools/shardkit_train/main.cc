@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "tools/shardkit_train/checkpoint.h"
 #include "tools/shardkit_train/corpus.h"
@@ -66,7 +67,13 @@ int main(int argc, char** argv) {
   if (o.compare && (!o.checkpoint_dir.empty() || o.resume)) {
     return fail(absl::InvalidArgumentError("--compare does not take --checkpoint-dir or --resume"));
   }
-  if (under_launcher) o.ranks = std::atoi(std::getenv("WORLD_SIZE"));
+  if (under_launcher) {
+    // Range-checked (std::atoi of an out-of-range value is undefined): batch x context x ranks must not overflow.
+    if (!absl::SimpleAtoi(std::getenv("WORLD_SIZE"), &o.ranks) || o.ranks < 1) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("expected WORLD_SIZE a number of ranks in [1, 2147483647], found '", std::getenv("WORLD_SIZE"), "'")));
+    }
+  }
 
   auto model = st::model_size(o.model);
   if (!model.ok()) return fail(model.status());

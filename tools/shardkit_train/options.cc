@@ -1,6 +1,7 @@
 #include "tools/shardkit_train/options.h"
 
 #include <charconv>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -71,11 +72,16 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       if (i + 1 >= args.size()) return absl::InvalidArgumentError(absl::StrCat("expected a value after ", flag, ", found none"));
       return args[++i];
     };
-    auto int_flag = [&](auto& out, long long min, const std::string& expected) -> absl::Status {
+    // Range-checked before the conversion to `out`'s type, so no value wraps. `over_max`: the expectation
+    // quoted for a value above `max` (default `expected`).
+    auto int_flag = [&](auto& out, long long min, const std::string& expected,
+                        long long max = std::numeric_limits<long long>::max(),
+                        const std::string& over_max = "") -> absl::Status {
       auto v = next();
       if (!v.ok()) return v.status();
       long long x = 0;
       if (!parse_int(*v, x) || x < min) return bad(flag, expected, *v);
+      if (x > max) return bad(flag, over_max.empty() ? expected : over_max, *v);
       out = static_cast<std::remove_reference_t<decltype(out)>>(x);
       return absl::OkStatus();
     };
@@ -93,8 +99,7 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       }
       if (!found) return bad(flag, "one of " + names, *v);
     } else if (flag == "--ranks") {
-      st = int_flag(o.ranks, 1, "a number of ranks >= 1");
-      if (st.ok() && o.ranks > 64) return bad(flag, "a number of ranks <= 64", std::to_string(o.ranks));
+      st = int_flag(o.ranks, 1, "a number of ranks >= 1", 64, "a number of ranks <= 64");
     } else if (flag == "--model") {
       auto v = next();
       if (!v.ok()) return v.status();
@@ -103,7 +108,7 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
     } else if (flag == "--steps") {
       st = int_flag(o.steps, 1, "a number of steps >= 1");
     } else if (flag == "--batch") {
-      st = int_flag(o.batch, 1, "a batch size (sequences per rank) >= 1");
+      st = int_flag(o.batch, 1, absl::StrCat("a batch size (sequences per rank) in [1, ", kMaxBatch, "]"), kMaxBatch);
     } else if (flag == "--lr") {
       auto v = next();
       if (!v.ok()) return v.status();
@@ -164,7 +169,7 @@ std::string usage() {
       "  --model tiny|small|base model size (default small): byte-level GPTs of 34,688 / 120,576 / 842,496\n"
       "                          parameters (2 layers width 32 / 2 layers width 64 / 4 layers width 128)\n"
       "  --steps N               optimizer steps (default 300)\n"
-      "  --batch N               sequences per rank per step (default 4)\n"
+      "  --batch N               sequences per rank per step (default 4, at most ", kMaxBatch, ")\n"
       "  --lr X                  peak learning rate, warmup + cosine (default 3e-3)\n"
       "  --precision fp32|bf16   bf16: gradients and parameter updates communicated in bf16 (default fp32)\n"
       "  --seed N                model init and data order (default 1)\n"

@@ -28,12 +28,18 @@ struct ModelSize {
 // tiny / small / base: byte-level GPTs (vocab 256). NotFound-style InvalidArgument for another name.
 absl::StatusOr<ModelSize> model_size(const std::string& name);
 
+// The largest --batch (sequences per rank per step). With the largest context (128) and --ranks (64, or
+// WORLD_SIZE, an int), batch x context x world stays far below INT64_MAX, so token counts never overflow;
+// the activations of a batch this size (8M tokens per rank for model base) are already more than a
+// machine of this project's kind holds.
+inline constexpr std::int64_t kMaxBatch = 65536;
+
 struct Options {
   Strategy strategy = Strategy::oss;
   int ranks = 4;              // simulated ranks (threads); WORLD_SIZE when started by shardrun
   std::string model = "small";
   std::int64_t steps = 300;
-  std::int64_t batch = 4;     // sequences per rank per step
+  std::int64_t batch = 4;     // sequences per rank per step, in [1, kMaxBatch]
   double lr = 3e-3;
   Precision precision = Precision::fp32;
   std::uint64_t seed = 1;

@@ -115,5 +115,45 @@ TEST(TensorTest, CudaAllocationWithoutADeviceFailsClearly) {
   EXPECT_EQ(ctx.memory->total_current(), 0);  // nothing charged for a failed allocation
 }
 
+// Shapes from outside (a checkpoint file, another rank) go through checked_numel: negative dimensions and
+// element or byte counts past int64 are an error naming the shape, never a wrapped count.
+TEST(ShapeNumelTest, CheckedNumelRefusesNegativeDimsAndOverflow) {
+  constexpr std::int64_t k32 = std::int64_t{1} << 32, k31 = std::int64_t{1} << 31;
+  EXPECT_EQ(*checked_numel({2, 3}, DType::f32), 6);
+  EXPECT_EQ(*checked_numel({}, DType::f32), 1);
+  EXPECT_EQ(*checked_numel({k32, k32, 0}, DType::f32), 0);  // a zero dimension: no elements, no overflow
+  EXPECT_EQ(*checked_numel({k31, k31 / 2}, DType::bf16), k31 * (k31 / 2));  // 2^62 bytes
+
+  auto neg = checked_numel({2, -1}, DType::f32);
+  EXPECT_EQ(neg.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(neg.status().message(), HasSubstr("expected dimensions >= 0, found -1 in shape [2, -1]"));
+
+  auto elems = checked_numel({k32, k32}, DType::f32);
+  EXPECT_EQ(elems.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(elems.status().message(),
+              HasSubstr("expected at most 9223372036854775807 elements, found shape [4294967296, 4294967296]"));
+
+  // 2^62 elements fit in int64; 2^62 x 4 bytes of f32 do not.
+  auto bytes = checked_numel({k31, k31}, DType::f32);
+  EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bytes.status().message(),
+              HasSubstr("expected at most 9223372036854775807 bytes, found shape [2147483648, 2147483648] of f32"));
+}
+
+// Inside the library an overflowing shape is a broken invariant: a check, never a wrapped count (before the
+// fix shape_numel({2^32, 2^32}) returned 0 and Tensor::empty made an empty tensor of that shape).
+TEST(ShapeNumelTest, ShapeNumelAndCreationCheckOverflow) {
+  constexpr std::int64_t k32 = std::int64_t{1} << 32;
+  EXPECT_EQ(shape_numel({2, 3, 4}), 24);
+  EXPECT_EQ(shape_numel({k32, k32, 0}), 0);
+  EXPECT_THROW(shape_numel({k32, k32}), InternalError);
+  EXPECT_THROW(shape_numel({3, -2}), InternalError);
+  EXPECT_THROW(Tensor::empty({k32, k32}), InternalError);
+  EXPECT_THROW(Tensor::empty({std::int64_t{1} << 62}, TensorOptions{}.with_dtype(DType::i64)), InternalError);
+  Tensor t = Tensor::zeros({8});
+  EXPECT_THROW(t.reshape({k32, k32, 0, -1}), InternalError);
+  EXPECT_THROW(t.reshape({-2, -4}), InternalError);
+}
+
 }  // namespace
 }  // namespace shardkit
