@@ -25,6 +25,19 @@ namespace {
 // groups larger than the hardware thread count never spin (they would steal the core of the rank they
 // wait for).
 //
+// Note [in-process leave]
+// Once the enter point has completed, every rank's buffers are published and each rank's data phase reads
+// and writes its peers' buffers. The leave point is therefore not a rendezvous that may give up: a rank that
+// returned early (at its deadline, or because the world failed meanwhile: an abort from another thread, a
+// failure of another sub-group) would hand its buffers back to its caller while peers still copy into them.
+// So the leave point waits for every rank of the group with no deadline and ignores failures. It cannot
+// hang: each rank that passed the enter point runs its data phase (a bounded copy or reduction of its share,
+// nothing it waits for) and then reaches the leave point. A deadline therefore bounds the wait for peers to
+// join; a call whose peers all joined in time completes, and may return after its deadline by the length of
+// its data phase. Likewise the outcome of the enter point is decided once, by the last rank to arrive
+// (GroupState::enter_failed): a rank that wakes up after the rendezvous completed and finds the world failed
+// by someone else still runs its data phase, because its peers are running theirs in its buffers.
+//
 // Note [in-process p2p]
 // A send and its recv meet in the (src, dst) queue of the group; whoever comes second copies the bytes
 // under the world mutex and completes both Works. Copying under the lock keeps the deadline path simple
@@ -54,6 +67,7 @@ struct GroupState {
   std::atomic<std::uint64_t> generation{0};
   int arrived = 0;
   std::vector<std::uint64_t> arrived_for;  // generation + 1 of the rendezvous a rank last joined
+  bool enter_failed = false;  // the last completed enter point failed its agreement check (Note [in-process leave])
   std::vector<CallDesc> desc;
 
   // p2p queues indexed src * n + dst (group ranks).
@@ -156,7 +170,12 @@ class InProcessGroup final : public ProcessGroup {
   absl::Status aborted_locked(const CollectiveCall& call) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_) {
     return absl::AbortedError(absl::StrCat(where(call), ": aborted because: ", world_->failure_.message()));
   }
-  absl::Status rendezvous(const CollectiveCall& call, const CallDesc* desc);
+  // The enter point: publishes `desc` and waits (until the call's deadline) for every rank of the group.
+  absl::Status enter(const CollectiveCall& call, const CallDesc& desc);
+  // The leave point: waits for every rank of the group, with no deadline (Note [in-process leave]).
+  void leave();
+  // Spins briefly while the group's generation is still `gen` (Note [in-process spin]).
+  void spin_while_generation_is(std::uint64_t gen) const;
   absl::Status validate_locked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_);
   void data_phase(const CollectiveCall& call);
   std::shared_ptr<Work> run_p2p(CollectiveCall call);
@@ -192,35 +211,39 @@ absl::Status InProcessGroup::validate_locked() const {
   return absl::OkStatus();
 }
 
-absl::Status InProcessGroup::rendezvous(const CollectiveCall& call, const CallDesc* desc) {
+void InProcessGroup::spin_while_generation_is(std::uint64_t gen) const {
+  if (!spin_) return;
+  const absl::Time spin_until = absl::Now() + absl::Microseconds(50);
+  for (int i = 0;; ++i) {
+    if (g_->generation.load(std::memory_order_acquire) != gen) return;
+    if ((i & 63) == 63 && absl::Now() > spin_until) return;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+absl::Status InProcessGroup::enter(const CollectiveCall& call, const CallDesc& desc) {
   GroupState& g = *g_;
   std::uint64_t gen;
   {
     absl::MutexLock lock(&world_->mu_);
     if (world_->failed_.load(std::memory_order_relaxed)) return aborted_locked(call);
     gen = g.generation.load(std::memory_order_relaxed);
-    if (desc != nullptr) g.desc[me_] = *desc;
+    g.desc[me_] = desc;
     g.arrived_for[me_] = gen + 1;
     if (++g.arrived == g.n) {
       g.arrived = 0;
       absl::Status st;
-      if (desc != nullptr && g.n > 1) st = validate_locked();
+      if (g.n > 1) st = validate_locked();
       if (!st.ok()) world_->fail_locked(st);
+      g.enter_failed = !st.ok();
       g.generation.store(gen + 1, std::memory_order_release);
       return st;
     }
   }
   // Others are still coming. Spin briefly when every rank has a core (Note [in-process spin]), then block.
-  if (spin_) {
-    const absl::Time spin_until = absl::Now() + absl::Microseconds(50);
-    for (int i = 0;; ++i) {
-      if (g.generation.load(std::memory_order_acquire) != gen) break;
-      if ((i & 63) == 63 && absl::Now() > spin_until) break;
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-    }
-  }
+  spin_while_generation_is(gen);
   absl::MutexLock lock(&world_->mu_);
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_) {
     if (g.generation.load(std::memory_order_relaxed) != gen) return true;
@@ -232,9 +255,9 @@ absl::Status InProcessGroup::rendezvous(const CollectiveCall& call, const CallDe
   };
   world_->mu_.AwaitWithDeadline(absl::Condition(&ready), call.deadline);
   if (g.generation.load(std::memory_order_relaxed) != gen) {
-    // The rendezvous completed; at an enter point the group may have failed its agreement check.
-    if (desc != nullptr && world_->failed_.load(std::memory_order_relaxed)) return aborted_locked(call);
-    return absl::OkStatus();
+    // The rendezvous completed: its outcome was decided by the last rank to arrive, whatever failed since
+    // (Note [in-process leave]).
+    return g.enter_failed ? aborted_locked(call) : absl::OkStatus();
   }
   if (world_->failed_.load(std::memory_order_relaxed)) return aborted_locked(call);
   std::vector<std::string> departed, missing;
@@ -249,11 +272,30 @@ absl::Status InProcessGroup::rendezvous(const CollectiveCall& call, const CallDe
                                          " returned from its function without joining it"));
   } else {
     st = absl::DeadlineExceededError(absl::StrCat(where(call), ": ", absl::StrJoin(missing, ", "),
-                                                  missing.size() == 1 ? " did" : " did", " not join within ",
-                                                  absl::FormatDuration(call.timeout)));
+                                                  " did not join within ", absl::FormatDuration(call.timeout)));
   }
   world_->fail_locked(st);
   return st;
+}
+
+void InProcessGroup::leave() {
+  GroupState& g = *g_;
+  std::uint64_t gen;
+  {
+    absl::MutexLock lock(&world_->mu_);
+    gen = g.generation.load(std::memory_order_relaxed);
+    if (++g.arrived == g.n) {
+      g.arrived = 0;
+      g.generation.store(gen + 1, std::memory_order_release);
+      return;
+    }
+  }
+  spin_while_generation_is(gen);
+  absl::MutexLock lock(&world_->mu_);
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_) {
+    return g.generation.load(std::memory_order_relaxed) != gen;
+  };
+  world_->mu_.Await(absl::Condition(&done));
 }
 
 void InProcessGroup::data_phase(const CollectiveCall& call) {
@@ -335,13 +377,14 @@ std::shared_ptr<Work> InProcessGroup::run(CollectiveCall call) {
   desc.call = &call;
   if (call.input.defined()) desc.in = static_cast<char*>(call.input.raw_data());
   if (call.output.defined()) desc.out = static_cast<char*>(call.output.raw_data());
-  if (absl::Status st = rendezvous(call, &desc); !st.ok()) return make_completed_work(st);
+  if (absl::Status st = enter(call, desc); !st.ok()) return make_completed_work(st);
   if (call.kind == CollectiveKind::barrier || g_->n == 1) {
     if (g_->n == 1) data_phase(call);  // e.g. all_gather / reduce_scatter copy (or reduce) into the output
     return make_completed_work(absl::OkStatus());
   }
   data_phase(call);
-  return make_completed_work(rendezvous(call, nullptr));
+  leave();  // Note [in-process leave]: no peer touches this rank's buffers after this
+  return make_completed_work(absl::OkStatus());
 }
 
 std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {

@@ -17,7 +17,12 @@
 //            reduce_scatter: rank r reduces slice r of every rank's input into its output.
 //            all_gather:     rank r copies its input into slice r of every rank's output.
 //            broadcast:      rank r copies slice r of the root's buffer into every other rank's buffer.
-//   leave: nobody returns (and so nobody touches its buffers again) until every rank finished reading.
+//   leave: nobody returns until every rank has finished its data phase, so no peer touches a rank's
+//          buffers after its call returned. Once the enter point has completed, the leave point waits
+//          with no deadline and ignores failures that happen meanwhile (an abort, another sub-group's
+//          failure): the data phase is a bounded copy, and returning early would hand buffers back to the
+//          caller while peers still write them (Note [in-process leave] in in_process_group.cc). A deadline
+//          bounds the wait for peers to join; a call whose peers all joined completes.
 // Slices of a tensor of N elements: slice r = [N·r/n, N·(r+1)/n).
 // Send/recv: a send and its matching recv meet in a per-pair queue; whichever is issued second copies
 // the bytes and completes both Works (so both are asynchronous and never deadlock each other).

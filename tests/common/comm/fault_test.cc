@@ -1,9 +1,12 @@
 // Failure handling of the in-process backend and RunRanks: every fault ends in a clear error on every
 // rank, in bounded time (each test asserts its wall time), and RunRanks reports the origin rank.
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -206,6 +209,139 @@ TEST(FaultTest, GtestAssertionThatReturnsEarlyDoesNotHang) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   EXPECT_THAT(std::string(result.message()), HasSubstr("rank 0 returned from its function without joining it"));
 }
+
+// ---- no rank returns while a peer can still touch its buffers ----
+//
+// A collective that fails (an abort from another thread, a deadline, a failure of another sub-group of the
+// world) must not return on one rank while a peer is still copying into that rank's buffers: the caller
+// may free or reuse them the moment the call returns. Each scenario runs big all_reduces (so the data phase
+// is long and ranks are preempted inside it on 2 cores) until the failure, at varied points of the call:
+//   * freed: the rank drops its buffer as soon as the call returns (AddressSanitizer reports a late write as
+//     a heap-use-after-free);
+//   * kept: the rank fills the buffer it got back with a sentinel and keeps it; once every thread has been
+//     joined, a buffer whose sentinel was overwritten proves a late write (this fails without a sanitizer).
+
+constexpr std::int64_t kBigNumel = std::int64_t{1} << 21;  // 8 MiB of f32 per rank
+constexpr float kSentinel = -7.0f;
+
+enum class Injection { abort_from_thread, short_deadline, two_subgroups_fail };
+
+std::string InjectionName(Injection how) {
+  switch (how) {
+    case Injection::abort_from_thread: return "abort_from_thread";
+    case Injection::short_deadline: return "short_deadline";
+    case Injection::two_subgroups_fail: return "two_subgroups_fail";
+  }
+  return "?";
+}
+
+struct LateWriteProbe {
+  std::mutex mu;
+  std::vector<Tensor> kept;  // buffers whose call returned an error, filled with the sentinel
+  void keep(Tensor t) {
+    t.fill_(kSentinel);
+    std::lock_guard<std::mutex> l(mu);
+    kept.push_back(std::move(t));
+  }
+  // Called after every rank thread has been joined.
+  void expect_untouched(int trial) {
+    for (const Tensor& t : kept) {
+      const std::vector<float> v = t.to_vector();
+      const auto bad = std::find_if(v.begin(), v.end(), [](float x) { return x != kSentinel; });
+      EXPECT_TRUE(bad == v.end()) << "trial " << trial << ": a peer wrote element " << (bad - v.begin())
+                                  << " after the call returned";
+    }
+  }
+};
+
+// One rank's loop of up to `calls` all_reduces on `group`; returns the first failure (OK if none).
+// fail_at >= 0: this rank disagrees on the size of that call (its group fails there). `announced` counts
+// the calls ranks are about to make; `timeout` is this rank's deadline per call.
+absl::Status BigAllReduces(ProcessGroup& group, int rank, int calls, int fail_at, bool keep, LateWriteProbe& probe,
+                           std::atomic<int>& announced, absl::Duration timeout,
+                           const std::function<void(int)>& before_call = nullptr) {
+  for (int i = 0; i < calls; ++i) {
+    Tensor t = Tensor::full({i == fail_at ? kBigNumel + 1 : kBigNumel}, static_cast<double>(rank));
+    if (before_call) before_call(i);
+    announced.fetch_add(1);
+    absl::Status s = group.all_reduce(t, {.timeout = timeout})->wait();
+    if (!s.ok()) {
+      if (keep) probe.keep(std::move(t));
+      return s;  // (freed: t is released here)
+    }
+  }
+  return absl::OkStatus();
+}
+
+void RunInjection(Injection how, int trial, bool keep) {
+  const int n = 4;
+  LateWriteProbe probe;
+  std::atomic<int> announced{0};
+  const absl::Time start = absl::Now();
+  absl::Status result = RunRanks(n, [&](RankEnv& env) -> absl::Status {
+    switch (how) {
+      case Injection::abort_from_thread: {
+        std::thread aborter;
+        if (env.rank == 0) {
+          aborter = std::thread([&] {
+            // Once every rank is in its third call, vary the point of the abort (the spin only moves the
+            // injection point across the call; nothing waits on it).
+            while (announced.load() < 3 * n) std::this_thread::yield();
+            const absl::Time until = absl::Now() + absl::Microseconds(400 * trial);
+            while (absl::Now() < until) std::this_thread::yield();
+            env.world.abort(absl::CancelledError("stopped from another thread"));
+          });
+        }
+        absl::Status s = BigAllReduces(env.group, env.rank, 1000, -1, keep, probe, announced, absl::Seconds(60));
+        if (aborter.joinable()) aborter.join();
+        return s;
+      }
+      case Injection::short_deadline: {
+        // Rank 0 joins each call last, with a deadline far shorter than the data phase: once its share is
+        // done it must wait for its peers' copies into its buffer, not leave at its deadline. (If it joins
+        // before a peer, its call fails at the enter point, which is fine too.)
+        const bool late = env.rank == 0;
+        return BigAllReduces(env.group, env.rank, 4, -1, keep, probe, announced,
+                             late ? absl::Microseconds(200) : absl::Seconds(60), [&](int i) {
+                               if (late) {
+                                 while (announced.load() < (i + 1) * n - 1) std::this_thread::yield();
+                               }
+                             });
+      }
+      case Injection::two_subgroups_fail: {
+        // Sub-groups {0, 1} and {2, 3}; each fails (a size disagreement) at its own call, while the other may
+        // be inside a data phase.
+        auto sub = env.group.split(env.rank / 2, env.rank);
+        if (!sub.ok()) return sub.status();
+        const int fail_at = env.rank % 2 == 1 ? 2 + (env.rank / 2 + trial) % 2 : -1;
+        return BigAllReduces(**sub, env.rank, 1000, fail_at, keep, probe, announced, absl::Seconds(60));
+      }
+    }
+    return absl::InternalError("unknown injection");
+  });
+  if (how != Injection::short_deadline) {
+    EXPECT_FALSE(result.ok()) << "trial " << trial;
+  }
+  EXPECT_NE(result.code(), absl::StatusCode::kInternal) << result;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));
+  probe.expect_untouched(trial);
+}
+
+class LateWriteTest : public ::testing::TestWithParam<std::tuple<Injection, bool>> {};
+
+TEST_P(LateWriteTest, NoRankReturnsWhileAPeerStillWritesItsBuffer) {
+  const auto [how, keep] = GetParam();
+  for (int trial = 0; trial < 8; ++trial) RunInjection(how, trial, keep);
+}
+
+INSTANTIATE_TEST_SUITE_P(Injections, LateWriteTest,
+                         ::testing::Combine(::testing::Values(Injection::abort_from_thread, Injection::short_deadline,
+                                                              Injection::two_subgroups_fail),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return InjectionName(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_kept" : "_freed");
+                         });
 
 }  // namespace
 }  // namespace shardkit::comm
