@@ -10,6 +10,8 @@
 #include "common/autograd/grad_mode.h"
 #include "common/autograd/hooks.h"
 #include "common/base/check.h"
+#include "common/optim/clip_grad.h"
+#include "oss/sharded_grad_norm.h"
 
 namespace shardkit::fsdp {
 
@@ -222,6 +224,16 @@ std::vector<Tensor> FullyShardedModel::parameters() const {
   std::vector<Tensor> out;
   for (const auto& u : units_) out.push_back(u->shard);
   return out;
+}
+
+absl::StatusOr<double> FullyShardedModel::clip_grad_norm(double max_norm, double norm_type) {
+  const std::vector<Tensor> shards = parameters();
+  absl::StatusOr<double> total =
+      oss::sharded_grad_norm(shards, *pg_, norm_type, {.timeout = options_.timeout, .tag = "fsdp clip_grad_norm"});
+  if (!total.ok()) return total.status();
+  const double coef = optim::clip_coefficient(*total, max_norm);
+  if (!(coef >= 1.0)) optim::scale_grads(shards, coef);  // NaN scales too, as PyTorch
+  return *total;
 }
 
 std::size_t FullyShardedModel::num_units() const { return units_.size(); }

@@ -105,6 +105,12 @@ class FullyShardedModel {
   void set_requires_gradient_sync(bool sync) { sync_ = sync; }
   bool requires_gradient_sync() const { return sync_; }
 
+  // Clips the shards' gradients (what the optimizer over parameters() steps) by the total norm of the whole
+  // model's gradient (norm_type 2 or inf, oss/sharded_grad_norm.h: padding holds zeros and adds nothing):
+  // scales them by min(1, max_norm / (norm + 1e-6)) and returns the norm before clipping, identical on
+  // every rank. Call it after backward, before the optimizer's step. Collective.
+  absl::StatusOr<double> clip_grad_norm(double max_norm, double norm_type = 2.0);
+
   std::size_t num_units() const;
   // Unit u: its fully qualified module name ("" for the root) and its parameter elements (unpadded).
   std::string unit_name(std::size_t u) const;

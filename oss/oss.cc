@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/logging.h"
 #include "common/optim/clip_grad.h"
+#include "oss/sharded_grad_norm.h"
 #include "common/tensor/rank_context.h"
 
 namespace shardkit::oss {
@@ -249,24 +250,24 @@ absl::Status Oss::step() {
 }
 
 absl::StatusOr<double> Oss::clip_grad_norm(double max_norm, double norm_type) {
-  const bool inf = std::isinf(norm_type);
-  if (!inf && norm_type != 2.0) {
-    return absl::InvalidArgumentError(absl::StrCat("clip_grad_norm: expected norm_type 2 or inf, found ", norm_type));
-  }
+  // The gradients the next step() uses: the shards' (views of the parameters' gradients, or the slices
+  // handed over with set_piece_grad by ShardedDataParallel, whose full gradients are released).
   attach_shard_grads();
-  const double partial = optim::grad_norm_partial(shards_, norm_type);
-  Tensor t = Tensor::full({1}, partial, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
-  auto work = pg_->all_reduce(t, {.op = inf ? comm::ReduceOp::max() : comm::ReduceOp::sum(),
-                                  .timeout = options_.timeout, .tag = "oss clip_grad_norm"});
-  if (absl::Status s = work->wait(); !s.ok()) return s;
-  const double total = optim::grad_norm_from_partial(t.item(), norm_type);
-  const double coef = optim::clip_coefficient(total, max_norm);
+  absl::StatusOr<double> total =
+      sharded_grad_norm(shards_, *pg_, norm_type, {.timeout = options_.timeout, .tag = "oss clip_grad_norm"});
+  if (!total.ok()) return total.status();
+  const double coef = optim::clip_coefficient(*total, max_norm);
   if (coef < 1.0 || std::isnan(coef)) {
+    // Every gradient this rank holds: the parameters' (which the flat shards' views alias), and the slices
+    // handed over with set_piece_grad, which alias nothing.
     std::vector<Tensor> all;
     for (const auto& g : groups_) all.insert(all.end(), g.params.begin(), g.params.end());
+    for (std::size_t k = 0; k < local_.size(); ++k) {
+      if (options_.policy == PartitionPolicy::flat && external_grad_[k]) all.push_back(shards_[k]);
+    }
     optim::scale_grads(all, coef);
   }
-  return total;
+  return *total;
 }
 
 absl::Duration Oss::timeout() const { return options_.timeout.value_or(pg_->default_timeout()); }

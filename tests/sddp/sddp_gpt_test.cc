@@ -4,6 +4,8 @@
 #include <memory>
 
 #include "common/comm/testing/run_ranks.h"
+#include "common/optim/clip_grad.h"
+#include "common/optim/sgd.h"
 #include "oss/oss.h"
 #include "sddp/data_parallel.h"
 #include "tests/sddp/sddp_test_util.h"
@@ -16,12 +18,13 @@ using test_util::kBatch;
 using test_util::TinyConfig;
 using test_util::Values;
 
-enum class Mode { ddp, oss_ddp, sddp_greedy, sddp_flat, sddp_flat_owner };
+enum class Mode { ddp, oss_ddp, oss_flat_ddp, sddp_greedy, sddp_flat, sddp_flat_owner };
 
 std::string ModeName(Mode m) {
   switch (m) {
     case Mode::ddp: return "ddp";
     case Mode::oss_ddp: return "oss_ddp";
+    case Mode::oss_flat_ddp: return "oss_flat_ddp";
     case Mode::sddp_greedy: return "sddp_greedy";
     case Mode::sddp_flat: return "sddp_flat";
     case Mode::sddp_flat_owner: return "sddp_flat_owner";
@@ -36,23 +39,25 @@ struct Trainer {
   std::unique_ptr<DataParallel> dp;
 
   static absl::StatusOr<Trainer> make(Mode mode, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
-                                      DataParallelOptions options) {
+                                      DataParallelOptions options,
+                                      const optim::OptimizerFactory& factory = optim::AdamW::factory()) {
     Trainer t;
+    t.params = model.parameters();
     std::vector<optim::ParamGroup> groups{{model.parameters(), optim::AdamW::default_hyper()}};
     if (mode == Mode::ddp) {
-      auto o = optim::AdamW::factory()(groups);
+      auto o = factory(groups);
       if (!o.ok()) return o.status();
       t.plain = std::move(*o);
     } else {
-      auto o = oss::Oss::create(groups, optim::AdamW::factory(), pg,
-                                {.policy = mode == Mode::sddp_flat || mode == Mode::sddp_flat_owner ? oss::PartitionPolicy::flat
-                                                                                                    : oss::PartitionPolicy::greedy,
+      const bool flat = mode == Mode::oss_flat_ddp || mode == Mode::sddp_flat || mode == Mode::sddp_flat_owner;
+      auto o = oss::Oss::create(groups, factory, pg,
+                                {.policy = flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy,
                                  .bucket_bytes = 4096,
                                  .flat_chunk_numel = options.reduce_buffer_size});
       if (!o.ok()) return o.status();
       t.oss = std::move(*o);
     }
-    if (mode == Mode::ddp || mode == Mode::oss_ddp) {
+    if (mode == Mode::ddp || mode == Mode::oss_ddp || mode == Mode::oss_flat_ddp) {
       auto d = DistributedDataParallel::create(model, pg, options);
       if (!d.ok()) return d.status();
       t.dp = std::move(*d);
@@ -76,6 +81,12 @@ struct Trainer {
     }
     return oss->step();
   }
+  // Clips the gradients the next step() uses; returns the total norm before clipping.
+  absl::StatusOr<double> clip_grad_norm(double max_norm) {
+    if (plain) return optim::clip_grad_norm(params, max_norm);
+    return oss->clip_grad_norm(max_norm);
+  }
+  std::vector<Tensor> params;
 };
 
 absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, DataParallelOptions options,
@@ -206,6 +217,56 @@ INSTANTIATE_TEST_SUITE_P(Modes, SddpGptOptions,
                          ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::sddp_greedy, Mode::sddp_flat,
                                            Mode::sddp_flat_owner),
                          [](const auto& info) { return ModeName(info.param); });
+
+// Gradient clipping in every partition policy x reducer strategy: clip_grad_norm scales exactly the gradients
+// the next step() uses (with ShardedDDP's flat reduce-scatter these are the owned slices handed over with
+// set_piece_grad, not the module's released gradients). SGD with momentum, whose update is proportional to
+// the gradient, so a clip that scales nothing shows in the parameters (AdamW would hide it: its update does
+// not depend on the gradient's scale). Each step: the norm before clipping is above max_norm (the clip
+// acts), a second clip_grad_norm finds the norm at most max_norm, and 12 steps equal single-rank training
+// with clipping on the whole batch.
+class SddpClip : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
+
+constexpr double kMaxNorm = 0.05;
+
+optim::OptimizerFactory ClipSgd() { return optim::Sgd::factory({.lr = 0.1, .momentum = 0.9}); }
+
+TEST_P(SddpClip, ClippedTrainingEqualsSingleRankClippedTraining) {
+  const auto [world, mode] = GetParam();
+  static const auto want = test_util::Reference(12, -1, ClipSgd(), kMaxNorm);
+  std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
+  absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto t = Trainer::make(mode, model, env.group_ptr, {.reduce_buffer_size = 300}, ClipSgd());
+    if (!t.ok()) return t.status();
+    const int rows = kBatch / world;
+    for (int step = 0; step < 12; ++step) {
+      auto [x, y] = Batch(step, env.rank * rows, rows);
+      t->zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      absl::StatusOr<double> before = t->clip_grad_norm(kMaxNorm);
+      if (!before.ok()) return before.status();
+      EXPECT_GT(*before, 2 * kMaxNorm) << "step " << step << ": the test needs clipping to act";
+      absl::StatusOr<double> after = t->clip_grad_norm(kMaxNorm);
+      if (!after.ok()) return after.status();
+      EXPECT_LE(*after, kMaxNorm * (1 + 1e-5)) << "step " << step << ": norm before clipping " << *before;
+      if (absl::Status s = t->step(); !s.ok()) return s;
+    }
+    got[static_cast<std::size_t>(env.rank)] = Values(model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  test_util::ExpectMatches(got, want, 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SddpClip,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::oss_flat_ddp,
+                                                              Mode::sddp_greedy, Mode::sddp_flat,
+                                                              Mode::sddp_flat_owner)),
+                         [](const auto& info) {
+                           return ModeName(std::get<1>(info.param)) + "_n" + std::to_string(std::get<0>(info.param));
+                         });
 
 }  // namespace
 }  // namespace shardkit::sddp

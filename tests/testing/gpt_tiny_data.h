@@ -10,6 +10,7 @@
 #include "common/autograd/engine.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
+#include "common/optim/clip_grad.h"
 #include "common/tensor/rank_context.h"
 #include "common/tensor/random.h"
 #include "common/tensor/tensor.h"
@@ -47,9 +48,11 @@ inline std::vector<std::vector<float>> Values(const nn::Module& m) {
 // Freezes block 0 of a GPT (what the "freeze mid-run" tests do on every rank and in the reference).
 inline void FreezeBlock0(nn::GPT& model) { (*model.blocks)[0]->set_requires_grad(false); }
 
-// Single-rank AdamW training on the whole batch; `freeze_at` >= 0 freezes block 0 before that step.
+// Single-rank AdamW training on the whole batch; `freeze_at` >= 0 freezes block 0 before that step;
+// `clip_max_norm` > 0 clips the gradients' total 2-norm to it before each step.
 inline std::vector<std::vector<float>> Reference(int steps, int freeze_at = -1,
-                                                 const optim::OptimizerFactory& factory = optim::AdamW::factory()) {
+                                                 const optim::OptimizerFactory& factory = optim::AdamW::factory(),
+                                                 double clip_max_norm = 0) {
   RankContext ctx;
   RankContextScope scope(ctx);
   nn::GPT model(TinyConfig(), 1);
@@ -59,6 +62,7 @@ inline std::vector<std::vector<float>> Reference(int steps, int freeze_at = -1,
     auto [x, y] = Batch(step, 0, kBatch);
     (*opt)->zero_grad();
     autograd::backward(model.loss(x, y));
+    if (clip_max_norm > 0) optim::clip_grad_norm(model.parameters(), clip_max_norm);
     (*opt)->step();
   }
   return Values(model);
