@@ -10,7 +10,8 @@
 // Note [agreed found_inf] (fairscale #179): each rank checks only the gradients it holds, so ranks may see
 // different overflow; a rank that skips the step while another steps leaves the collectives of the step
 // mismatched and the ranks hang. unscale() therefore agrees on found_inf with ONE all_reduce(max) before
-// anyone steps; every rank then skips, or every rank steps.
+// anyone steps; every rank then skips, or every rank steps. The per-rank check is common/optim/finite.h's
+// scale_and_find_non_finite (Note [finite checks]).
 //
 // Thread-safety: none; one scaler belongs to one rank. unscale()/step() are collectives over the group.
 #pragma once

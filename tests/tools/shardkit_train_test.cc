@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <regex>
 #include <string>
 #include <utility>
@@ -127,6 +128,11 @@ void WriteCkpt(const std::string& path, const CkptFile& f) {
   std::ofstream(path, std::ios::binary | std::ios::trunc).write(out.data(), static_cast<std::streamsize>(out.size()));
 }
 
+// Every f32 element of `t` becomes `value`.
+void FillF32(CkptTensor& t, float value) {
+  for (std::size_t i = 0; i + 4 <= t.bytes.size(); i += 4) std::memcpy(t.bytes.data() + i, &value, 4);
+}
+
 // A good 2-step checkpoint of model tiny (2 ranks, oss) in a fresh directory `name`; returns the directory.
 std::string TinyCheckpoint(const std::string& name) {
   const std::string dir = TempDir(name);
@@ -238,6 +244,25 @@ TEST(ShardkitTrainBadInput, ResumeFromCheckpointWithOverflowingShape) {
   fs::remove_all(dir);
 }
 
+// shardkit-train never writes inf or NaN into a checkpoint, so a checkpoint holding one is refused when it
+// is read, naming the tensor (before: the run resumed, every loss was nan, and it ended with exit code 0).
+TEST(ShardkitTrainBadInput, ResumeFromCheckpointWithNonFiniteValues) {
+  const std::string dir = TinyCheckpoint("non_finite");
+  const std::string path = dir + "/checkpoint.skck";
+  const CkptFile good = ReadCkpt(path);
+  const std::vector<std::string> resume = {"--model", "tiny", "--steps", "4", "--checkpoint-dir", dir, "--resume"};
+  CkptFile f = good;
+  FillF32(f.at("model/ln_f.bias"), std::numeric_limits<float>::quiet_NaN());
+  WriteCkpt(path, f);
+  ExpectOneLineError(Train(resume), "checkpoint '" + path + "' is corrupt: expected finite values, found nan in "
+                                    "model/ln_f.bias (element 0)");
+  f = good;
+  std::memcpy(f.at("optim/26/exp_avg_sq").bytes.data() + 4 * 5, "\x00\x00\x80\x7f", 4);  // +inf at element 5
+  WriteCkpt(path, f);
+  ExpectOneLineError(Train(resume), "expected finite values, found inf in optim/26/exp_avg_sq (element 5)");
+  fs::remove_all(dir);
+}
+
 // The process SIGKILLs itself right after step 7 (the last checkpoint is step 6's); --resume continues
 // from step 6 and must end bit-identical to the uninterrupted run (same world, same reduction order). Then
 // the final checkpoint, resumed by every strategy at another world size, loads the same state (OSS
@@ -279,6 +304,60 @@ TEST(ShardkitTrain, ResumeAfterKillBetweenStepsEqualsUninterruptedRun) {
     fs::remove_all(full_dir);
     fs::remove_all(kill_dir);
   }
+}
+
+// Note [non-finite loss] in trainer.cc: a run stops at the first non-finite loss, on every rank, before that
+// step updates anything, with a non-zero exit code; the checkpoint it resumed from stays as it was. The
+// weights here are finite (so the file is accepted) but ln_f.weight = 3e38 overflows the logits: the loss
+// of the first step is nan. (--lr is at most 10, and at 10 AdamW's bounded steps keep the tiny model's loss
+// finite for the whole run -- it peaks near 1e4 -- so divergence is crafted.) Before the fix every loss was
+// nan, the run ended with exit code 0 and replaced the checkpoint with one full of nan.
+TEST(ShardkitTrain, NonFiniteLossStopsEveryRankAndKeepsTheLastCheckpoint) {
+  const std::string dir = TinyCheckpoint("diverged");
+  const std::string path = dir + "/checkpoint.skck";
+  CkptFile f = ReadCkpt(path);
+  FillF32(f.at("model/ln_f.weight"), 3e38f);
+  WriteCkpt(path, f);
+  const std::string crafted = ReadBytes(path);
+  const std::string want = "training diverged: the loss at step 3 is nan (non-finite on 2 of 2 ranks); stopped before "
+                           "step 3 updated the parameters; the last checkpoint is step 2 in '" + dir + "'";
+  for (const std::string strategy : {"oss", "ddp", "fsdp"}) {
+    SCOPED_TRACE(strategy);
+    ExpectOneLineError(Train({"--model", "tiny", "--steps", "5", "--ranks", "2", "--sample", "0", "--strategy",
+                              strategy, "--checkpoint-every", "1", "--checkpoint-dir", dir, "--resume"}),
+                       want);
+    EXPECT_TRUE(ReadBytes(path) == crafted) << "the checkpoint was replaced";
+    EXPECT_FALSE(fs::exists(path + ".tmp"));
+  }
+  // Two processes over TCP: both ranks stop at the same step (the ranks agree through the loss all_reduce),
+  // neither hangs, and shardrun reports the failure.
+  const auto tcp = testing::run_command({SHARDRUN_PATH, "--nproc", "2", "--", SHARDKIT_TRAIN_PATH, "--model", "tiny",
+                                         "--steps", "5", "--sample", "0", "--checkpoint-dir", dir, "--resume"},
+                                        kDeadline);
+  EXPECT_FALSE(tcp.timed_out);
+  EXPECT_NE(tcp.exit_code, 0);
+  EXPECT_THAT(tcp.err, HasSubstr(want));
+  EXPECT_TRUE(ReadBytes(path) == crafted) << "the checkpoint was replaced";
+  fs::remove_all(dir);
+}
+
+// The update of a step can make parameters non-finite while that step's loss was finite (here a crafted,
+// finite Adam first moment of 3e38 overflows in the bias correction): the checkpoint of that step is
+// refused, naming the tensor, and the previous one stays. Before the fix it was written full of inf / nan.
+TEST(ShardkitTrain, CheckpointWithNonFiniteParametersIsNeverWritten) {
+  const std::string dir = TinyCheckpoint("non_finite_update");
+  const std::string path = dir + "/checkpoint.skck";
+  CkptFile f = ReadCkpt(path);
+  FillF32(f.at("optim/26/exp_avg"), 3e38f);  // ln_f.weight's
+  WriteCkpt(path, f);
+  const std::string crafted = ReadBytes(path);
+  const auto r = Train({"--model", "tiny", "--steps", "5", "--ranks", "2", "--sample", "0", "--checkpoint-every", "1",
+                        "--checkpoint-dir", dir, "--resume"});
+  ExpectOneLineError(r, "refusing to write the checkpoint of step 3: expected finite values, found -inf in "
+                        "model/ln_f.weight (element 0); the last checkpoint is step 2 in '" + dir + "'");
+  EXPECT_TRUE(ReadBytes(path) == crafted) << "the checkpoint was replaced";
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  fs::remove_all(dir);
 }
 
 // Two processes over TCP (shardrun) end with the loss of two threads (same seed) within fp32 tolerance.

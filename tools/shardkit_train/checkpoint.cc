@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -17,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/optim/finite.h"
 #include "tools/shardkit_train/corpus.h"
 
 namespace shardkit::train {
@@ -78,6 +80,30 @@ absl::Status corrupt(const std::string& path, const std::string& what) {
 }  // namespace
 
 std::string checkpoint_path(const std::string& dir) { return dir + "/checkpoint.skck"; }
+
+std::string value_str(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  return absl::StrCat(v);
+}
+
+absl::Status check_finite(const Checkpoint& ckpt) {
+  auto check = [](const std::string& name, const Tensor& t) -> absl::Status {
+    const std::int64_t i = optim::find_non_finite(t);
+    if (i < 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected finite values, found ", value_str(t.item_at(i)), " in ", name, " (element ", i, ")"));
+  };
+  for (const auto& [name, t] : ckpt.model) {
+    if (absl::Status s = check("model/" + name, t); !s.ok()) return s;
+  }
+  for (const auto& [index, st] : ckpt.optimizer.state) {
+    for (const auto& [key, t] : st.tensors) {
+      if (absl::Status s = check(absl::StrCat("optim/", index, "/", key), t); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ensure_writable_dir(const std::string& dir) {
   std::error_code ec;
@@ -244,6 +270,7 @@ absl::StatusOr<Checkpoint> read_checkpoint(const std::string& path) {
     }
   }
   if (!r.ok || r.pos != buf.size() - 8) return corrupt(path, "tensor section does not end at the checksum");
+  if (absl::Status s = check_finite(ck); !s.ok()) return corrupt(path, std::string(s.message()));
   return ck;
 }
 

@@ -15,7 +15,9 @@
 // "<dir>/checkpoint.skck", so a process killed at any point leaves the last complete checkpoint.
 // Reading checks magic, size and checksum before parsing: a truncated or corrupted file is an error
 // (DataLoss), never a crash. Shapes are checked with checked_numel (Note [checked shapes], tensor.h) before
-// any count is computed from them. No global state; thread-compatible.
+// any count is computed from them. A checkpoint never holds inf or NaN (Note [non-finite loss], trainer.cc:
+// the trainer refuses to write one), so reading refuses one too, naming the tensor.
+// No global state; thread-compatible.
 #pragma once
 
 #include <cstdint>
@@ -40,7 +42,16 @@ std::string checkpoint_path(const std::string& dir);
 // ("cannot write checkpoint directory 'x': Not a directory") otherwise.
 absl::Status ensure_writable_dir(const std::string& dir);
 
+// Writes atomically (see above). The caller checks check_finite() first: this function writes what it gets.
 absl::Status write_checkpoint(const std::string& dir, const Checkpoint& ckpt);
 absl::StatusOr<Checkpoint> read_checkpoint(const std::string& path);
+
+// OK when every model and optimizer-state value is finite; otherwise InvalidArgument naming the first tensor
+// (file order: "model/<name>", then "optim/<index>/<key>") and element, e.g. "expected finite values,
+// found nan in model/ln_f.bias (element 0)".
+absl::Status check_finite(const Checkpoint& ckpt);
+
+// "nan", "inf", "-inf", or the value.
+std::string value_str(double v);
 
 }  // namespace shardkit::train

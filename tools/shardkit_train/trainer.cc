@@ -18,6 +18,7 @@
 #include "common/comm/init_from_env.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
+#include "common/optim/finite.h"
 #include "common/optim/lr_schedule.h"
 #include "common/tensor/rank_context.h"
 #include "oss/oss.h"
@@ -332,6 +333,29 @@ std::string generate(nn::GPT& model, const std::string& prompt, std::int64_t n, 
   return out;
 }
 
+// Note [non-finite loss]
+// A run whose loss becomes inf or NaN has diverged: every later step trains on garbage, and a checkpoint
+// written then would replace the last good one with NaN. So:
+//   - Each step, right after the forward, every rank checks its local loss (optim::all_finite) and the
+//     ranks agree in the loss all_reduce they do anyway for display: it carries [loss, non-finite flag]
+//     and averages both. The averaged flag is > 0 exactly when some rank's loss was non-finite, in any
+//     summation order, so every rank stops at the same step, before backward, with the same error (no
+//     rank is left waiting in a collective the others never issue). Stopping before backward and step()
+//     leaves the parameters of the previous step. The error quotes the mean loss (NaN or inf when any
+//     rank's was) and how many ranks saw a non-finite one.
+//   - A step's update can still make parameters non-finite with a finite loss (a step's loss is computed
+//     before its update). Before writing a checkpoint, rank 0 checks every value it is about to write
+//     (check_finite, checkpoint.h) and the ranks agree on the outcome with one all_reduce(max) of a flag;
+//     a non-finite checkpoint is never written, and the run stops on every rank.
+// The display all_reduce runs between forward and backward; its bytes and time are left out of the step's
+// figures (RankStats, seconds_per_step).
+
+std::string last_checkpoint_clause(const Options& o, std::int64_t last_checkpoint_step) {
+  if (o.checkpoint_dir.empty()) return "";
+  if (last_checkpoint_step < 0) return absl::StrCat("; no checkpoint was written to '", o.checkpoint_dir, "'");
+  return absl::StrCat("; the last checkpoint is step ", last_checkpoint_step, " in '", o.checkpoint_dir, "'");
+}
+
 // The per-rank loop (same code for threads and processes).
 absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy strategy, const Corpus& corpus,
                                                     const Checkpoint* resume, const ProgressFn& progress,
@@ -366,10 +390,11 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   std::array<std::int64_t, kNumMemoryCategories> peak{};
   std::int64_t sent = 0, counted_steps = 0;
   bool checkpointed = false;
+  std::int64_t last_checkpoint_step = resume != nullptr ? start : -1;
   double step_seconds_sum = 0;
   const auto t_start = std::chrono::steady_clock::now();
   const std::int64_t warmup = std::max<std::int64_t>(1, std::min<std::int64_t>(20, o.steps / 10));
-  Tensor loss_buf = Tensor::zeros({1});
+  Tensor loss_buf = Tensor::zeros({2});  // [loss, non-finite flag] (Note [non-finite loss])
 
   for (std::int64_t step = start; step < o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -379,21 +404,37 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     auto [x, y] = batch(corpus, o.seed, step, rank, world, o.batch, cfg.context);
     (*runner)->zero_grad();
     Tensor loss = model.loss(x, y);
-    const double local_loss = loss.item();
+
+    // Note [non-finite loss]: agree on the loss (and whether any rank's is non-finite) before backward.
+    const auto t_display = std::chrono::steady_clock::now();
+    const comm::CommCounters display0 = pg->counters();
+    float* lb = loss_buf.data<float>();
+    lb[0] = static_cast<float>(loss.item());
+    lb[1] = optim::all_finite({loss}) ? 0.f : 1.f;
+    SKT_RETURN_IF_ERROR(pg->all_reduce(loss_buf, {.op = comm::ReduceOp::avg(), .tag = "loss (display)"})->wait());
+    const std::int64_t display_sent = total_sent(pg->counters()) - total_sent(display0);
+    const double display_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_display).count();
+    const double mean_loss = lb[0];
+    if (lb[1] > 0.f) {
+      const long non_finite_ranks = std::max(1L, std::lround(static_cast<double>(lb[1]) * world));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "training diverged: the loss at step ", step + 1, " is ", value_str(mean_loss), " (non-finite on ",
+          non_finite_ranks, " of ", world, " ranks); stopped before step ", step + 1, " updated the parameters",
+          last_checkpoint_clause(o, last_checkpoint_step)));
+    }
+
     SKT_RETURN_IF_ERROR((*runner)->backward(loss));
     SKT_RETURN_IF_ERROR((*runner)->step());
     const MemorySnapshot snap = ledger.snapshot();
-    sent += total_sent(pg->counters()) - total_sent(c0);
+    sent += total_sent(pg->counters()) - total_sent(c0) - display_sent;
     ++counted_steps;
     if (!checkpointed) {
       for (int c = 0; c < kNumMemoryCategories; ++c) peak[static_cast<std::size_t>(c)] = std::max(peak[static_cast<std::size_t>(c)], snap.peak[static_cast<std::size_t>(c)]);
     }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - display_seconds;
     if (step > start || o.steps - start == 1) step_seconds_sum += dt;
 
-    loss_buf.fill_(local_loss);
-    SKT_RETURN_IF_ERROR(pg->all_reduce(loss_buf, {.op = comm::ReduceOp::avg(), .tag = "loss (display)"})->wait());
-    res.losses.push_back(loss_buf.item());
+    res.losses.push_back(mean_loss);
     if (rank == 0 && progress) {
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       const double done = static_cast<double>(step + 1 - start);
@@ -404,6 +445,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
       auto state = (*runner)->full_state();
       if (!state.ok()) return state.status();
       SKT_RETURN_IF_ERROR((*runner)->gather_model());
+      absl::Status finite;  // rank 0: whether every value of the checkpoint is finite
       if (rank == 0) {
         Checkpoint ck;
         ck.meta = {{"model", o.model},
@@ -421,10 +463,20 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
                    {"world", std::to_string(world)}};
         ck.model = model.state_dict();
         ck.optimizer = std::move(**state);
-        SKT_RETURN_IF_ERROR(write_checkpoint(o.checkpoint_dir, ck));
+        finite = check_finite(ck);
+        if (finite.ok()) SKT_RETURN_IF_ERROR(write_checkpoint(o.checkpoint_dir, ck));
+      }
+      // Note [non-finite loss]: every rank learns whether rank 0 refused to write.
+      Tensor refused = Tensor::full({1}, finite.ok() ? 0.0 : 1.0, TensorOptions{}.with_category(MemoryCategory::other));
+      SKT_RETURN_IF_ERROR(pg->all_reduce(refused, {.op = comm::ReduceOp::max(), .tag = "checkpoint finite"})->wait());
+      if (refused.item() != 0.0) {
+        const std::string why = rank == 0 ? std::string(finite.message()) : "rank 0 found non-finite values";
+        return absl::FailedPreconditionError(absl::StrCat("refusing to write the checkpoint of step ", step + 1, ": ",
+                                                          why, last_checkpoint_clause(o, last_checkpoint_step)));
       }
       (*runner)->release_model();
       checkpointed = true;
+      last_checkpoint_step = step + 1;
     }
     if (o.stop_after_step == step + 1 && rank == 0) ::kill(::getpid(), SIGKILL);  // test-only: a kill between steps
   }

@@ -30,6 +30,10 @@
 // count, because Oss keeps the consolidated full state on rank 0 after consolidate_state_dict()), bytes
 // sent per step from the
 // ProcessGroup's counters (only the step's own collectives: the loss average for display is excluded).
+//
+// Divergence: a non-finite loss stops the run on every rank at the same step, before that step updates
+// the parameters, with an error naming the step and the loss; a checkpoint holding inf or NaN is never
+// written (Note [non-finite loss] in trainer.cc).
 #pragma once
 
 #include <array>
