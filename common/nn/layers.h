@@ -83,12 +83,24 @@ class ReLU : public Module {
   Tensor forward(const Tensor& x) override { return autograd::relu(x); }
 };
 
+using autograd::GeluApproximation;
+
+// GELU(x) = x Phi(x), with PyTorch's option nn.GELU(approximate='none' | 'tanh'): none (the default) is
+// the exact form through erf, tanh GPT-2's 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); they differ by
+// up to 4.8e-4 (autograd/ops/activation.h). The default is exact because it is PyTorch's: a model written
+// after a PyTorch one that says nn.GELU() computes the same function here. GPT-2-style models name tanh
+// (the transformer MLP in transformer.h does).
 class GELU : public Module {
  public:
-  GELU() : Module("GELU") {}
+  explicit GELU(GeluApproximation approximate = GeluApproximation::none)
+      : Module("GELU"), approximate_(approximate) {}
+  GeluApproximation approximate() const { return approximate_; }
 
  protected:
-  Tensor forward(const Tensor& x) override { return autograd::gelu(x); }
+  Tensor forward(const Tensor& x) override { return autograd::gelu(x, approximate_); }
+
+ private:
+  GeluApproximation approximate_;
 };
 
 // Active in training mode only; the mask comes from the calling rank's generator.

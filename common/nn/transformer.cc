@@ -22,7 +22,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
 
 MLP::MLP(const TransformerOptions& o, Generator& gen) : Module("MLP") {
   fc_ = register_module("fc", std::make_shared<Linear>(o.width, 4 * o.width, gen, true, o.init_std));
-  act_ = register_module("act", std::make_shared<GELU>());
+  act_ = register_module("act", std::make_shared<GELU>(GeluApproximation::tanh));  // GPT-2's form
   proj_ = register_module("proj", std::make_shared<Linear>(4 * o.width, o.width, gen, true, ResidualStd(o)));
   drop_ = register_module("drop", std::make_shared<Dropout>(o.dropout));
 }

@@ -31,7 +31,7 @@ class CausalSelfAttention : public Module {
   std::shared_ptr<Dropout> drop_;
 };
 
-// x [..., C] -> fc = Linear(C, 4C), GELU, proj = Linear(4C, C).
+// x [..., C] -> fc = Linear(C, 4C), GELU (tanh form, as GPT-2), proj = Linear(4C, C).
 class MLP : public Module {
  public:
   MLP(const TransformerOptions& options, Generator& gen);

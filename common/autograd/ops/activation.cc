@@ -13,6 +13,7 @@ namespace {
 
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluA = 0.044715f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // 1 / sqrt(2 pi)
 
 std::int64_t LastDim(const Tensor& x) { return x.dim() == 0 ? 1 : x.size(-1); }
 
@@ -39,31 +40,8 @@ void SoftmaxRows(const float* x, float* y, std::int64_t rows, std::int64_t n, bo
   }
 }
 
-}  // namespace
-
-Tensor relu(const Tensor& x) {
-  detail::check_f32_cpu("relu", x);
-  Tensor out = detail::new_activation(x.shape());
-  const std::int64_t n = x.numel();
-  const float* __restrict xp = x.data<float>();
-  float* __restrict y = out.data<float>();
-  for (std::int64_t i = 0; i < n; ++i) y[i] = xp[i] > 0.f ? xp[i] : 0.f;
-  if (should_record({&x})) {
-    detail::record("ReluBackward", {&x}, {&out}, [y_saved = out.detach()](TensorList&& g) -> TensorList {
-      Tensor gx = detail::new_activation(y_saved.shape());
-      const std::int64_t n = gx.numel();
-      const float* __restrict yp = y_saved.data<float>();
-      const float* __restrict gp = g[0].data<float>();
-      float* __restrict o = gx.data<float>();
-      for (std::int64_t i = 0; i < n; ++i) o[i] = yp[i] > 0.f ? gp[i] : 0.f;
-      return {gx};
-    });
-  }
-  return out;
-}
-
-Tensor gelu(const Tensor& x) {
-  detail::check_f32_cpu("gelu", x);
+// GPT-2's form (the expression and its derivative, not the exact GELU's gradient).
+Tensor GeluTanh(const Tensor& x) {
   Tensor out = detail::new_activation(x.shape());
   const std::int64_t n = x.numel();
   const float* __restrict xp = x.data<float>();
@@ -91,6 +69,66 @@ Tensor gelu(const Tensor& x) {
     });
   }
   return out;
+}
+
+// x Phi(x); gradient Phi(x) + x phi(x).
+Tensor GeluExact(const Tensor& x) {
+  Tensor out = detail::new_activation(x.shape());
+  const std::int64_t n = x.numel();
+  const float* __restrict xp = x.data<float>();
+  float* __restrict y = out.data<float>();
+  for (std::int64_t i = 0; i < n; ++i) y[i] = xp[i] * detail::fast_normal_cdf(xp[i]);
+  if (should_record({&x})) {
+    detail::record("GeluBackward", {&x}, {&out}, [x](TensorList&& g) -> TensorList {
+      Tensor gx = detail::new_activation(x.shape());
+      const std::int64_t n = gx.numel();
+      const float* __restrict xp = x.data<float>();
+      const float* __restrict gp = g[0].data<float>();
+      float* __restrict o = gx.data<float>();
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float v = xp[i];
+        const float density = kInvSqrt2Pi * detail::fast_exp(-0.5f * (v * v));
+        o[i] = gp[i] * (detail::fast_normal_cdf(v) + v * density);
+      }
+      return {gx};
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor relu(const Tensor& x) {
+  detail::check_f32_cpu("relu", x);
+  Tensor out = detail::new_activation(x.shape());
+  const std::int64_t n = x.numel();
+  const float* __restrict xp = x.data<float>();
+  float* __restrict y = out.data<float>();
+  for (std::int64_t i = 0; i < n; ++i) y[i] = xp[i] > 0.f ? xp[i] : 0.f;
+  if (should_record({&x})) {
+    detail::record("ReluBackward", {&x}, {&out}, [y_saved = out.detach()](TensorList&& g) -> TensorList {
+      Tensor gx = detail::new_activation(y_saved.shape());
+      const std::int64_t n = gx.numel();
+      const float* __restrict yp = y_saved.data<float>();
+      const float* __restrict gp = g[0].data<float>();
+      float* __restrict o = gx.data<float>();
+      for (std::int64_t i = 0; i < n; ++i) o[i] = yp[i] > 0.f ? gp[i] : 0.f;
+      return {gx};
+    });
+  }
+  return out;
+}
+
+Tensor gelu(const Tensor& x, GeluApproximation approximate) {
+  detail::check_f32_cpu("gelu", x);
+  switch (approximate) {
+    case GeluApproximation::none:
+      return GeluExact(x);
+    case GeluApproximation::tanh:
+      return GeluTanh(x);
+  }
+  SK_CHECK(false) << "gelu: unknown GeluApproximation " << static_cast<int>(approximate);
+  return Tensor();
 }
 
 Tensor softmax(const Tensor& x) {

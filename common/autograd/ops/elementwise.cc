@@ -1,5 +1,7 @@
 #include "common/autograd/ops/elementwise.h"
 
+#include <cmath>
+
 #include "common/autograd/ops/op_utils.h"
 
 namespace shardkit::autograd {
@@ -54,6 +56,41 @@ Tensor Scaled(const Tensor& g, float s) {
   const std::int64_t n = g.numel();
   for (std::int64_t i = 0; i < n; ++i) o[i] = gp[i] * s;
   return out;
+}
+
+// y[i] = f(x[i]) over n elements; f inlines, so the loop vectorises when f is plain arithmetic.
+template <typename F>
+void Map(const float* __restrict x, float* __restrict y, std::int64_t n, F f) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
+}
+
+// Note [pow exponents]: std::pow is a libm call the vectoriser cannot inline, so a loop over it runs
+// scalar. The exponents models use (squares, cubes, square roots, reciprocals, and p - 1 of those in the
+// backward) get their own loops of plain arithmetic, as PyTorch's CPU pow kernel does. They agree with
+// std::pow to within an ulp (x * x and 1 / x exactly; x * x * x and 1 / sqrt(x) round twice), except
+// where sqrt and pow define edge cases differently (0.5 and -0.5 at x = -0 and -inf: sqrt(-0) = -0 and
+// sqrt(-inf) = NaN) and for -2 where x * x under- or overflows (|x| < 1e-19 or > 1.8e19). Other exponents
+// call std::pow per element.
+void PowValues(const float* x, float* y, std::int64_t n, float p) {
+  if (p == 0.f) {
+    Map(x, y, n, [](float) { return 1.f; });
+  } else if (p == 1.f) {
+    Map(x, y, n, [](float v) { return v; });
+  } else if (p == 2.f) {
+    Map(x, y, n, [](float v) { return v * v; });
+  } else if (p == 3.f) {
+    Map(x, y, n, [](float v) { return v * v * v; });
+  } else if (p == 0.5f) {
+    Map(x, y, n, [](float v) { return std::sqrt(v); });
+  } else if (p == -0.5f) {
+    Map(x, y, n, [](float v) { return 1.f / std::sqrt(v); });
+  } else if (p == -1.f) {
+    Map(x, y, n, [](float v) { return 1.f / v; });
+  } else if (p == -2.f) {
+    Map(x, y, n, [](float v) { return 1.f / (v * v); });
+  } else {
+    Map(x, y, n, [p](float v) { return std::pow(v, p); });
+  }
 }
 
 }  // namespace
@@ -113,6 +150,44 @@ Tensor scale(const Tensor& a, float s) {
   Tensor out = Scaled(a, s);
   if (should_record({&a})) {
     detail::record("ScaleBackward", {&a}, {&out}, [s](TensorList&& g) -> TensorList { return {Scaled(g[0], s)}; });
+  }
+  return out;
+}
+
+Tensor square(const Tensor& x) {
+  detail::check_f32_cpu("square", x);
+  Tensor out = detail::new_activation(x.shape());
+  Map(x.data<float>(), out.data<float>(), x.numel(), [](float v) { return v * v; });
+  if (should_record({&x})) {
+    detail::record("SquareBackward", {&x}, {&out}, [x](TensorList&& g) -> TensorList {
+      Tensor gx = detail::new_activation(x.shape());
+      const std::int64_t n = gx.numel();
+      const float* __restrict xp = x.data<float>();
+      const float* __restrict gp = g[0].data<float>();
+      float* __restrict o = gx.data<float>();
+      for (std::int64_t i = 0; i < n; ++i) o[i] = gp[i] * (2.f * xp[i]);
+      return {gx};
+    });
+  }
+  return out;
+}
+
+Tensor pow(const Tensor& x, float exponent) {
+  detail::check_f32_cpu("pow", x);
+  Tensor out = detail::new_activation(x.shape());
+  PowValues(x.data<float>(), out.data<float>(), x.numel(), exponent);
+  if (should_record({&x})) {
+    detail::record("PowBackward", {&x}, {&out}, [x, p = exponent](TensorList&& g) -> TensorList {
+      const std::int64_t n = x.numel();
+      if (p == 0.f) return {detail::zeros_activation(x.shape())};
+      // g * (p * x^(p-1)), in PyTorch's order.
+      Tensor gx = detail::new_activation(x.shape());
+      float* __restrict o = gx.data<float>();
+      PowValues(x.data<float>(), o, n, p - 1.f);
+      const float* __restrict gp = g[0].data<float>();
+      for (std::int64_t i = 0; i < n; ++i) o[i] = gp[i] * (p * o[i]);
+      return {gx};
+    });
   }
   return out;
 }

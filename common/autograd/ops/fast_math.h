@@ -1,4 +1,4 @@
-// Vectorisable exp and tanh for the activation, softmax and loss loops (internal).
+// Vectorisable exp, tanh and normal CDF for the activation, softmax and loss loops (internal).
 //
 // Note [fast exp]: libm's expf/tanhf are calls the vectoriser cannot inline, which makes softmax and GELU
 // scalar. fast_exp is Cephes' expf (range reduction by ln 2 split in two parts, degree-6 polynomial,
@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 
 namespace shardkit::autograd::detail {
@@ -34,5 +35,40 @@ inline float fast_exp(float x) {
 
 // tanh(x) = 1 - 2 / (exp(2x) + 1); absolute error ~1e-7.
 inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
+
+// Phi(x) = P(N(0, 1) <= x) = erfc(-x / sqrt 2) / 2, the standard normal CDF (the exact GELU's), in two
+// pieces, both computed and one selected:
+//   |x| < sqrt 2:  Phi(x) = 1/2 + x A(x^2), A a degree-6 polynomial;
+//   |x| >= sqrt 2: q = Phi(-|x|) = exp(-x^2 / 2) t G(t), t = 1 / (1 + 0.3 |x|), G a degree-8 polynomial;
+//                  Phi(x) = q for x < 0 (the lower tail directly, no 1 - (1 - q) cancellation), 1 - q else.
+// A and G are Chebyshev fits (mpmath chebyfit, 50 digits) to A(s) = (Phi(sqrt s) - 1/2) / sqrt s on [0, 2]
+// and G(t) = Phi(-y) exp(y^2 / 2) / t, y = (1/t - 1) / 0.3, on [0, 1 / (1 + 0.3 sqrt 2)]; their fit errors
+// are 1.5e-9 and 4e-8 relative. Measured against erfc in double: absolute error <= 6.6e-8 on [-13, 13] (about an
+// ulp of 0.5), relative error <= 7e-7 on [-5, 0] and <= 4e-6 down to -12 (the rounding of x^2 in the
+// exponent); checked in ops tests.
+inline float fast_normal_cdf(float x) {
+  const float s = x * x;
+  float a = 4.350847394e-7f;
+  a = a * s - 8.857467346e-6f;
+  a = a * s + 1.146637158e-4f;
+  a = a * s - 1.186799714e-3f;
+  a = a * s + 9.973382924e-3f;
+  a = a * s - 6.649035844e-2f;
+  a = a * s + 3.9894228e-1f;
+  const float centre = 0.5f + x * a;
+  const float t = 1.0f / (1.0f + 0.3f * std::fabs(x));
+  float g = 2.937349761e-2f;
+  g = g * t - 8.386683771e-2f;
+  g = g * t + 5.016385604e-2f;
+  g = g * t + 6.742613448e-3f;
+  g = g * t + 6.255153277e-2f;
+  g = g * t + 8.676617824e-2f;
+  g = g * t + 1.08951247e-1f;
+  g = g * t + 1.196816481e-1f;
+  g = g * t + 1.196826886e-1f;
+  const float q = fast_exp(-0.5f * s) * t * g;
+  const float tail = x >= 0.0f ? 1.0f - q : q;
+  return s < 2.0f ? centre : tail;
+}
 
 }  // namespace shardkit::autograd::detail

@@ -1,6 +1,7 @@
 // Finite-difference gradient checks for every op, over several shapes, plus forward values against
 // double-precision references where the forward is not trivial.
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/autograd/ops.h"
@@ -119,7 +120,8 @@ TEST(GradCheck, Activations) {
     for (std::int64_t i = 0; i < r.numel(); ++i) p[i] = p[i] >= 0 ? p[i] + 0.1f : p[i] - 0.1f;
     ExpectGradientsMatch([](const TL& in) { return relu(in[0]); }, {r});
     Tensor x = RandomLeaf(s, 17, -3.f, 3.f);
-    ExpectGradientsMatch([](const TL& in) { return gelu(in[0]); }, {x});
+    ExpectGradientsMatch([](const TL& in) { return gelu(in[0], GeluApproximation::none); }, {x});
+    ExpectGradientsMatch([](const TL& in) { return gelu(in[0], GeluApproximation::tanh); }, {x});
     ExpectGradientsMatch([](const TL& in) { return softmax(in[0]); }, {x});
     ExpectGradientsMatch([](const TL& in) { return log_softmax(in[0]); }, {x});
   }
@@ -128,7 +130,8 @@ TEST(GradCheck, Activations) {
 TEST(GradCheck, ActivationValuesMatchDoubleReference) {
   Tensor x = RandomLeaf({4, 9}, 18, -6.f, 6.f);
   auto xv = x.to_vector();
-  auto gv = gelu(x).to_vector();
+  auto gv = gelu(x, GeluApproximation::tanh).to_vector();
+  auto ev = gelu(x, GeluApproximation::none).to_vector();
   auto sv = softmax(x).to_vector();
   auto lv = log_softmax(x).to_vector();
   for (int r = 0; r < 4; ++r) {
@@ -138,9 +141,133 @@ TEST(GradCheck, ActivationValuesMatchDoubleReference) {
     for (int j = 0; j < 9; ++j) {
       const double v = xv[r * 9 + j];
       EXPECT_NEAR(gv[r * 9 + j], 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v))), 2e-6);
+      EXPECT_NEAR(ev[r * 9 + j], 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))), 1e-6);
       EXPECT_NEAR(sv[r * 9 + j], std::exp(v - mx) / s, 1e-6);
       EXPECT_NEAR(lv[r * 9 + j], v - mx - std::log(s), 2e-6);
     }
+  }
+}
+
+// Values and slopes of both GELU forms at a few points, from an independent double-precision evaluation
+// (Python's math.erf / math.tanh): exact x Phi(x) and Phi(x) + x phi(x); tanh form 0.5 x (1 + tanh(u)),
+// u = sqrt(2/pi) (x + 0.044715 x^3), and its derivative.
+TEST(GradCheck, GeluFormsMatchKnownValuesAndTheDefaultIsExact) {
+  struct Point {
+    float x;
+    double exact, exact_slope, tanh, tanh_slope;
+  };
+  const std::vector<Point> points = {
+      {1.f, 0.8413447460685429, 1.0833154705876864, 0.8411919906082768, 1.0829640838457826},
+      {-1.f, -0.15865525393145707, -0.08331547058768629, -0.15880800939172324, -0.08296408384578255},
+      {0.5f, 0.34573123063700656, 0.8674951246561629, 0.34571400982514394, 0.8673699035346424},
+      {2.f, 1.9544997361036416, 1.085231801078197, 1.954597694087775, 1.0860992566236183},
+      {-3.f, -0.00404969409489031, -0.011945647204183918, -0.0036373920817729943, -0.011584166630969516},
+      {0.f, 0.0, 0.5, 0.0, 0.5},
+  };
+  std::vector<float> xs;
+  for (const Point& p : points) xs.push_back(p.x);
+  const auto n = static_cast<std::int64_t>(xs.size());
+  for (GeluApproximation form : {GeluApproximation::none, GeluApproximation::tanh}) {
+    const bool exact = form == GeluApproximation::none;
+    SCOPED_TRACE(exact ? "none" : "tanh");
+    Tensor x = Tensor::from_vector(xs, {n});
+    x.set_requires_grad(true);
+    Tensor y = gelu(x, form);
+    backward(sum(y));
+    const auto yv = y.to_vector(), gv = x.grad().to_vector();
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      const Point& p = points[i];
+      EXPECT_NEAR(yv[i], exact ? p.exact : p.tanh, 2e-7) << "x = " << p.x;
+      EXPECT_NEAR(gv[i], exact ? p.exact_slope : p.tanh_slope, 5e-7) << "x = " << p.x;
+    }
+  }
+  // The forms differ by more than the tolerance above at x = 1 (1.5e-4), and gelu(x) is the exact one.
+  Tensor x = Tensor::from_vector(xs, {n});
+  EXPECT_EQ(gelu(x).to_vector(), gelu(x, GeluApproximation::none).to_vector());
+  EXPECT_NE(gelu(x).to_vector(), gelu(x, GeluApproximation::tanh).to_vector());
+}
+
+TEST(GradCheck, SquareAndPow) {
+  for (const Shape& s : std::vector<Shape>{{7}, {3, 6}, {2, 2, 5}}) {
+    SCOPED_TRACE(shape_str(s));
+    Tensor x = RandomLeaf(s, 34, -2.f, 2.f);
+    ExpectGradientsMatch([](const TL& in) { return square(in[0]); }, {x});
+    // Every special-cased exponent and some that go through std::pow, on x in [0.5, 2] (away from 0,
+    // where fractional and negative powers are steep or singular).
+    Tensor pos = RandomLeaf(s, 35, 0.5f, 2.f);
+    for (float p : {0.f, 1.f, 2.f, 3.f, 0.5f, -0.5f, -1.f, -2.f, 1.5f, -1.5f, 4.f, 0.3f, 2.5f}) {
+      SCOPED_TRACE(absl::StrCat("exponent ", p));
+      ExpectGradientsMatch([p](const TL& in) { return pow(in[0], p); }, {pos});
+    }
+    // Integer exponents are defined for negative x.
+    Tensor neg = RandomLeaf(s, 36, -2.f, -0.5f);
+    for (float p : {2.f, 3.f, -1.f, -2.f, 4.f, 5.f}) {
+      SCOPED_TRACE(absl::StrCat("exponent ", p, " on negative x"));
+      ExpectGradientsMatch([p](const TL& in) { return pow(in[0], p); }, {neg});
+    }
+  }
+}
+
+TEST(GradCheck, SquareAndPowValuesMatchDoubleReference) {
+  Tensor x = RandomLeaf({40}, 37, -3.f, 3.f);
+  Tensor pos = RandomLeaf({40}, 38, 0.01f, 5.f);
+  const auto xv = x.to_vector(), pv = pos.to_vector();
+  const auto sq = square(x).to_vector();
+  for (std::size_t i = 0; i < xv.size(); ++i) EXPECT_EQ(sq[i], xv[i] * xv[i]);
+  // Within 2 ulp (two roundings at most) of the double-precision power.
+  auto expect_close = [](float got, double want, const std::string& what) {
+    EXPECT_NEAR(got, want, 2.5e-7 * std::fabs(want)) << what;
+  };
+  for (float p : {0.f, 1.f, 2.f, 3.f, -1.f, 4.f, 5.f}) {
+    const auto y = pow(x, p).to_vector();
+    for (std::size_t i = 0; i < xv.size(); ++i) {
+      expect_close(y[i], std::pow(static_cast<double>(xv[i]), static_cast<double>(p)),
+                   absl::StrCat("pow(", xv[i], ", ", p, ")"));
+    }
+  }
+  for (float p : {0.5f, -0.5f, -2.f, 1.5f, -1.5f, 0.3f, 2.5f}) {
+    const auto y = pow(pos, p).to_vector();
+    for (std::size_t i = 0; i < pv.size(); ++i) {
+      expect_close(y[i], std::pow(static_cast<double>(pv[i]), static_cast<double>(p)),
+                   absl::StrCat("pow(", pv[i], ", ", p, ")"));
+    }
+  }
+}
+
+// The gradient where p x^(p-1) is not an ordinary number, as PyTorch defines it (elementwise.h).
+TEST(GradCheck, PowGradientAtZeroAndNegativeX) {
+  auto value_and_slope = [](float x, float p) {
+    Tensor t = Tensor::from_vector({x}, {1});
+    t.set_requires_grad(true);
+    Tensor y = pow(t, p);
+    backward(sum(y));
+    return std::pair<float, float>{y.to_vector()[0], t.grad().to_vector()[0]};
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  // x^0 is the constant 1: slope 0 even at 0 (not 0 * inf) and for NaN.
+  EXPECT_EQ(value_and_slope(0.f, 0.f), std::make_pair(1.f, 0.f));
+  EXPECT_EQ(value_and_slope(-2.5f, 0.f), std::make_pair(1.f, 0.f));
+  const auto [nan_value, nan_slope] = value_and_slope(std::nanf(""), 0.f);
+  EXPECT_EQ(nan_value, 1.f);
+  EXPECT_EQ(nan_slope, 0.f);
+  // At 0: 0 for p > 1, 1 for p == 1, unbounded for p < 1.
+  EXPECT_EQ(value_and_slope(0.f, 2.f), std::make_pair(0.f, 0.f));
+  EXPECT_EQ(value_and_slope(0.f, 3.f), std::make_pair(0.f, 0.f));
+  EXPECT_EQ(value_and_slope(0.f, 2.5f), std::make_pair(0.f, 0.f));
+  EXPECT_EQ(value_and_slope(0.f, 1.f), std::make_pair(0.f, 1.f));
+  EXPECT_EQ(value_and_slope(0.f, 0.5f), std::make_pair(0.f, inf));
+  EXPECT_EQ(value_and_slope(0.f, 0.3f), std::make_pair(0.f, inf));
+  EXPECT_EQ(value_and_slope(0.f, -1.f), std::make_pair(inf, -inf));
+  // Negative x: integer exponents as the polynomial / reciprocal; non-integer ones NaN, value and slope.
+  EXPECT_EQ(value_and_slope(-2.f, 3.f), std::make_pair(-8.f, 12.f));
+  EXPECT_EQ(value_and_slope(-2.f, 2.f), std::make_pair(4.f, -4.f));
+  EXPECT_EQ(value_and_slope(-2.f, -1.f), std::make_pair(-0.5f, -0.25f));
+  EXPECT_EQ(value_and_slope(-2.f, 4.f), std::make_pair(16.f, -32.f));
+  for (float p : {0.5f, 1.5f, -0.5f, 0.3f}) {
+    SCOPED_TRACE(absl::StrCat("exponent ", p));
+    const auto [value, slope] = value_and_slope(-2.f, p);
+    EXPECT_TRUE(std::isnan(value));
+    EXPECT_TRUE(std::isnan(slope));
   }
 }
 
@@ -306,6 +433,20 @@ TEST(FastMath, ExpAndTanhMatchLibm) {
   EXPECT_LT(worst_tanh, 3e-7);  // absolute
   EXPECT_EQ(detail::fast_exp(-1000.f), detail::fast_exp(-87.f));  // clamped, finite
   EXPECT_TRUE(std::isfinite(detail::fast_exp(1000.f)));
+}
+
+TEST(FastMath, NormalCdfMatchesLibm) {
+  double worst = 0, worst_lower_tail = 0;
+  for (float x = -13.f; x <= 13.f; x += 0.00731f) {
+    const double ref = 0.5 * std::erfc(-static_cast<double>(x) / std::sqrt(2.0));
+    const double err = std::fabs(detail::fast_normal_cdf(x) - ref);
+    worst = std::max(worst, err);
+    if (x <= 0.f && x >= -12.f) worst_lower_tail = std::max(worst_lower_tail, err / ref);
+  }
+  EXPECT_LT(worst, 1e-7);              // absolute
+  EXPECT_LT(worst_lower_tail, 6e-6);  // relative, for x in [-12, 0] (Phi(-12) ~ 2e-33)
+  EXPECT_EQ(detail::fast_normal_cdf(std::numeric_limits<float>::infinity()), 1.f);
+  EXPECT_EQ(detail::fast_normal_cdf(-std::numeric_limits<float>::infinity()), 0.f);
 }
 
 // The checker itself: a function whose backward is off by 10% must be caught.

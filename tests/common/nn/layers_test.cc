@@ -69,6 +69,36 @@ TEST(LayerGradCheck, ActivationsAndDropout) {
   EXPECT_TRUE(d(y).is_same(y));
 }
 
+TEST(LayerGradCheck, GeluOptionSelectsTheForm) {
+  GELU exact_by_default;
+  GELU exact(GeluApproximation::none);
+  GELU tanh_form(GeluApproximation::tanh);
+  EXPECT_EQ(exact_by_default.approximate(), GeluApproximation::none);
+  EXPECT_EQ(tanh_form.approximate(), GeluApproximation::tanh);
+  // GELU(1): 0.8413447460685429 exact (1 * Phi(1)), 0.8411919906082768 in GPT-2's tanh form.
+  Tensor one = Tensor::from_vector({1.f}, {1});
+  EXPECT_NEAR(exact_by_default(one).to_vector()[0], 0.8413447460685429, 2e-7);
+  EXPECT_NEAR(exact(one).to_vector()[0], 0.8413447460685429, 2e-7);
+  EXPECT_NEAR(tanh_form(one).to_vector()[0], 0.8411919906082768, 2e-7);
+  Tensor x = RandomLeaf({3, 4}, 9, -3, 3);
+  EXPECT_EQ(exact_by_default(x).to_vector(), autograd::gelu(x, GeluApproximation::none).to_vector());
+  EXPECT_EQ(tanh_form(x).to_vector(), autograd::gelu(x, GeluApproximation::tanh).to_vector());
+  CheckModule(exact, x);
+  CheckModule(tanh_form, x);
+}
+
+TEST(LayerGradCheck, TransformerMlpUsesTheTanhGelu) {
+  // The GPT's MLP computes GPT-2's tanh form, whatever GELU's default is.
+  Generator gen(11);
+  MLP mlp(TransformerOptions{.width = 8, .num_heads = 2}, gen);
+  const GELU* act = nullptr;
+  for (const auto& [name, child] : mlp.named_children()) {
+    if (name == "act") act = dynamic_cast<const GELU*>(child.get());
+  }
+  ASSERT_NE(act, nullptr) << "expected MLP to have a GELU child named act";
+  EXPECT_EQ(act->approximate(), GeluApproximation::tanh);
+}
+
 TEST(LayerGradCheck, AttentionMlpBlock) {
   Generator gen(11);
   TransformerOptions o{.width = 8, .num_heads = 2, .num_layers = 2, .init_std = 0.3f};
