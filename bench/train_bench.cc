@@ -56,10 +56,10 @@ std::pair<Tensor, Tensor> Batch(const nn::GPTConfig& c, int rank, int step) {
 
 enum class Strategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat, fsdp };
 
-// Forward and backward through a data-parallel wrapper (which reduces the gradients during backward).
-absl::Status ForwardBackward(nn::GPT& model, sddp::DataParallel& dp, int rank, int step) {
+// Forward and backward of a model wrapped by a data-parallel wrapper (which reduces the gradients during
+// backward). The caller has zeroed the gradients through its optimizer (Note [training step contract]).
+absl::Status ForwardBackward(nn::GPT& model, int rank, int step) {
   auto [x, y] = Batch(model.config(), rank, step);
-  dp.zero_grad();
   MemoryCategoryScope activations(MemoryCategory::activation);
   return autograd::try_backward(model.loss(x, y));
 }
@@ -141,9 +141,10 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
       auto t0 = clock::now();
       {
         RankContextScope scope(ddp_ctx);
-        if (absl::Status s = ForwardBackward(*ddp_model, *ddp_wrap, env.rank, step); !s.ok()) return s;
+        ddp_opt->zero_grad();
+        if (absl::Status s = ForwardBackward(*ddp_model, env.rank, step); !s.ok()) return s;
         MemoryCategoryScope cat(MemoryCategory::optimizer_state);
-        ddp_opt->step();
+        if (absl::Status s = ddp_opt->step(); !s.ok()) return s;
       }
       if (absl::Status s = env.group.barrier()->wait(); !s.ok()) return s;
       auto t1 = clock::now();
@@ -157,10 +158,11 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
           if (absl::Status s = autograd::try_backward(oss_model->loss(x, y)); !s.ok()) return s;
         }
         MemoryCategoryScope cat(MemoryCategory::optimizer_state);
-        fsdp_opt->step();
+        if (absl::Status s = fsdp_opt->step(); !s.ok()) return s;
       } else {
         RankContextScope scope(oss_ctx);
-        if (absl::Status s = ForwardBackward(*oss_model, *oss_wrap, env.rank, step); !s.ok()) return s;
+        oss_opt->zero_grad();
+        if (absl::Status s = ForwardBackward(*oss_model, env.rank, step); !s.ok()) return s;
         if (absl::Status s = oss_opt->step(); !s.ok()) return s;
       }
       if (absl::Status s = env.group.barrier()->wait(); !s.ok()) return s;

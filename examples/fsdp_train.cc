@@ -46,7 +46,7 @@ int main() {
       (*opt)->zero_grad();
       Tensor loss = model.loss(Tensor::from_int64(x, {kRows, config.context}), Tensor::from_int64(y, {kRows, config.context}));
       if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;  // reduce-scattered per unit
-      (*opt)->step();
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
       if (rank == 0 && step % 10 == 9) std::printf("step %2d  loss %.4f\n", step + 1, loss.item());
     }
     std::printf("rank %d: parameters %lld bytes at rest, gradients %lld, optimizer state %lld (unsharded: %lld, %lld, %lld)\n",

@@ -42,8 +42,7 @@ int main() {
           x.push_back((start + t) % 7), y.push_back((start + t + 1) % 7);
         }
       }
-      (*ddp)->zero_grad();
-      (*opt)->zero_grad();
+      (*opt)->zero_grad();  // the Oss drops every gradient, the slices ShardedDataParallel delivered included
       Tensor loss = model.loss(Tensor::from_int64(x, {kRows, config.context}), Tensor::from_int64(y, {kRows, config.context}));
       if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;  // gradients reduced to their owners
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;

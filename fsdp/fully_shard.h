@@ -20,7 +20,9 @@
 //
 // Differences from PyTorch FSDP2, on purpose or not yet done (see the closing notes):
 //   * the optimizer is built from parameters() (one flat shard per unit), not model.parameters() (an
-//     optimizer over the released module parameters fails at step() with a message saying so);
+//     optimizer over the released module parameters refuses to step: FailedPrecondition saying so); the
+//     training loop zeroes and steps that optimizer, as every strategy's loop does (Note [training step
+//     contract] in common/optim/optimizer.h): FullyShardedModel itself has no zero_grad() or step();
 //   * units hold f32 parameters; frozen parameters (requires_grad false at construction) are not sharded and
 //     stay replicated; freezing a sharded parameter, or unfreezing one of those, later is refused
 //     (FsdpError from the next forward);

@@ -205,9 +205,26 @@ void Oss::zero_grad(bool set_to_none) {
     }
   }
   if (options_.policy == PartitionPolicy::flat) {
+    // Also the delivered slices, whatever set_to_none says (Note [delivered gradient slices]).
     for (const Tensor& s : shards_) s.set_grad(Tensor());
     external_grad_.assign(local_.size(), false);
   }
+}
+
+std::vector<Tensor> Oss::step_gradients() const {
+  std::vector<Tensor> out;
+  for (std::size_t k = 0; k < local_.size(); ++k) {
+    const OwnedPiece& piece = local_[k];
+    if (options_.policy == PartitionPolicy::flat && external_grad_[k]) {
+      out.push_back(shards_[k].grad());
+      continue;
+    }
+    const Tensor grad =
+        groups_[static_cast<std::size_t>(piece.group)].params[static_cast<std::size_t>(piece.param)].grad();
+    if (!grad.defined()) continue;
+    out.push_back(options_.policy == PartitionPolicy::greedy ? grad : grad.view(piece.offset, {piece.length}));
+  }
+  return out;
 }
 
 void Oss::set_piece_grad(std::size_t k, const Tensor& grad) {
@@ -238,12 +255,15 @@ absl::Status Oss::step() {
   attach_shard_grads();
   {
     MemoryCategoryScope category(MemoryCategory::optimizer_state);
-    inner_->step();
+    // A refused step (a hyper-parameter out of range, a released parameter) updates nothing and issues no
+    // collective; the gradients stay for a retry.
+    if (absl::Status s = inner_->step(); !s.ok()) return s;
   }
   external_grad_.assign(local_.size(), false);
   if (options_.policy == PartitionPolicy::flat) {
     // The pieces' gradients are views of (or were handed in for) this step only: drop them, so they do not
-    // keep last step's gradient buffers alive through the next backward.
+    // keep last step's gradient buffers alive through the next backward. A delivered slice has no other
+    // owner, so this frees it (Note [delivered gradient slices]).
     for (const Tensor& shard : shards_) shard.set_grad(Tensor());
   }
   return sync_params();

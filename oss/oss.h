@@ -8,6 +8,16 @@
 // (flat). Gradients must be the same on every rank before step() (averaged by DDP, or reduced to their
 // owners by ShardedDataParallel: only the owned part of each gradient is read).
 //
+// Training loop: the Oss is the object the loop zeroes and steps, with or without ShardedDataParallel
+// (Note [training step contract] in common/optim/optimizer.h):
+//
+//   auto opt = oss::Oss::create({{model.parameters(), hyper}}, optim::AdamW::factory(), pg).value();
+//   for (...) {
+//     opt->zero_grad();
+//     autograd::backward(model.loss(x, y));   // gradients averaged by DDP, or reduced by ShardedDDP
+//     if (absl::Status s = opt->step(); !s.ok()) return s;
+//   }
+//
 // Collective calls: the constructor (create), step(), clip_grad_norm(), consolidate_state_dict() and
 // load_state_dict() are collectives over the group: every rank calls them, in the same order.
 //
@@ -19,7 +29,19 @@
 // parameters must be the same on every rank; it is re-read at each step (refresh_trainable() does it
 // explicitly, e.g. right after freezing).
 //
-// Errors (absl::Status): when a collective of step() fails (a rank died, a deadline passed), the group is
+// Note [delivered gradient slices]
+// With the flat policy a gradient may arrive as an owned slice only (set_piece_grad: ShardedDataParallel's
+// reduce-scatter, or a hand-written reduction), with no full-size gradient behind it. The slice is handed
+// over: from then on the Oss holds the only reference the library keeps (the reducer drops its own at
+// delivery), so the memory is freed when the Oss lets go. It does so in step() (after stepping: a slice
+// serves one step) and in zero_grad() (set_to_none or not: a slice is not an accumulator), and a slice
+// delivered for one step is never read by a later one. With ShardedDataParallel's flat strategies, a rank's
+// gradient bytes are therefore exactly its owned share after backward, and zero after step() or zero_grad().
+//
+// Errors (absl::Status): when the inner optimizer refuses the step (Note [training step contract]: a
+// hyper-parameter set out of range, a released parameter), step() returns its Status before any collective
+// and nothing changes (the gradients stay for a retry); hyper-parameters are the same on every rank, so a
+// range error is refused by every rank alike. When a collective of step() fails (a rank died, a deadline passed), the group is
 // aborted (common/comm/process_group.h) and step() returns its Status naming the rank and the operation. The
 // model is then NOT consistent across ranks: owners have stepped their share and only some buckets have
 // arrived. Recover from the last checkpoint (consolidate_state_dict / load_state_dict) on a new group.
@@ -113,10 +135,16 @@ class Oss {
   Oss(const Oss&) = delete;
   Oss& operator=(const Oss&) = delete;
 
-  // Steps this rank's share, then updates every rank's parameters. Collective.
-  absl::Status step();
-  // Every parameter's gradient (all of them, owned or not) set to none or zero.
+  // Steps this rank's share, then updates every rank's parameters, and drops the delivered slices (Note
+  // [delivered gradient slices]). Collective. See Note [training step contract].
+  [[nodiscard]] absl::Status step();
+  // Every parameter's gradient (all of them, owned or not) set to none or zero, and every delivered slice
+  // dropped: the one zeroing call of a training loop, with or without ShardedDataParallel.
   void zero_grad(bool set_to_none = true);
+  // The gradients the next step() reads: this rank's owned part of every gradient (greedy: the owned
+  // parameters' .grad; flat: each owned piece's delivered slice, else the matching view of its parameter's
+  // .grad), undefined ones left out. For a grad scaler or a norm. Views and slices alias what step() reads.
+  std::vector<Tensor> step_gradients() const;
   // Appends a group (partitioned on its own: existing ownership does not move). Every rank must call it
   // with the same parameters. Not a collective.
   absl::Status add_param_group(optim::ParamGroup group);
@@ -164,8 +192,9 @@ class Oss {
 
   // Flat policy, for ShardedDataParallel's reduce-scatter: gives piece k (owned_pieces()[k]) its gradient
   // directly (`grad` has piece.length elements, any float dtype), so the parameter needs no full-size
-  // gradient. It is used by the next step() instead of a view of the parameter's gradient; after that step
-  // the piece goes back to reading the parameter's gradient.
+  // gradient. It is used by the next step() instead of a view of the parameter's gradient; step() and
+  // zero_grad() drop it, and the piece goes back to reading the parameter's gradient (Note [delivered
+  // gradient slices]: the caller hands it over and keeps no reference if it wants the memory freed then).
   void set_piece_grad(std::size_t k, const Tensor& grad);
 
   // The inner optimizer over this rank's share.

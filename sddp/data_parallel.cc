@@ -185,13 +185,18 @@ absl::Status DataParallel::wait_for_buffers() {
   return first;
 }
 
-void DataParallel::zero_grad(bool set_to_none) {
-  module_.zero_grad(set_to_none);
-  if (set_to_none) {
-    reducer_->release_piece_grads();
-  } else {
-    for (const Tensor& g : reducer_->held_gradients()) g.zero_();
+std::vector<Tensor> DataParallel::held_gradients() const {
+  std::vector<Tensor> out;
+  if (strategy_ == ReduceStrategy::all_reduce) {
+    for (const ReducerParam& p : reducer_->params()) {
+      if (p.param.grad().defined()) out.push_back(p.param.grad());
+    }
+    return out;
   }
+  for (const oss::Oss* o : optimizers_) {
+    for (Tensor& g : o->step_gradients()) out.push_back(std::move(g));
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<DistributedDataParallel>> DistributedDataParallel::create(

@@ -8,8 +8,14 @@
 //   for (...) {
 //     oss->zero_grad();
 //     autograd::backward(model.loss(x, y));   // reductions run during backward; done when it returns
-//     oss->step();
+//     if (absl::Status s = oss->step(); !s.ok()) return s;
 //   }
+//
+// The loop zeroes and steps the optimizer only, never the wrapper (Note [training step contract] in
+// common/optim/optimizer.h): with DistributedDataParallel the plain optimizer (or an Oss) over the module's
+// parameters, with ShardedDataParallel its Oss objects. The wrapper holds no gradient between steps: the
+// owned slices it delivers (flat) belong to the Oss from then on (Note [delivered gradient slices] in
+// oss/oss.h), whose zero_grad() and step() release them.
 //
 // Construction (a collective): verifies that every rank has the same parameter and buffer names, shapes
 // and dtypes (InvalidArgument naming the first difference, model_sync.h), broadcasts parameters and
@@ -108,8 +114,6 @@ class DataParallel {
   // wait_for_buffers()) waits. Collective.
   absl::Status sync_buffers(bool blocking = true);
   absl::Status wait_for_buffers();
-  // Drops (or zeroes) every gradient this rank holds, full-size and owned slices.
-  void zero_grad(bool set_to_none = true);
   // Re-reads requires_grad; rebuilds the reducer and refreshes the Oss objects. Every rank must call it at
   // the same point. Automatic before forward when auto_refresh_trainable (an error is then thrown from the
   // forward as a ReducerError carrying this Status). FailedPrecondition, and nothing changes, when a trainable
@@ -123,8 +127,9 @@ class DataParallel {
   const ReductionStats& last_backward_stats() const { return reducer_->last_stats(); }
   std::size_t num_buckets() const { return reducer_->num_buckets(); }
   std::vector<std::int64_t> bucket_numels() const { return reducer_->bucket_numels(); }
-  // Gradients this rank holds after reduction (for a grad scaler or a norm).
-  std::vector<Tensor> held_gradients() const { return reducer_->held_gradients(); }
+  // Gradients this rank holds after reduction, for a grad scaler or a norm: every trainable parameter's
+  // .grad (DDP); the Oss objects' step_gradients() (ShardedDDP: owned .grads, or the delivered slices).
+  std::vector<Tensor> held_gradients() const;
   // Elements of the trainable parameters (what every backward reduces).
   std::int64_t trainable_numel() const;
   const Reducer& reducer() const { return *reducer_; }

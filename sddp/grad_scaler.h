@@ -2,9 +2,10 @@
 // (ShardedDataParallel / OSS; works for DDP too). Shape of PyTorch's GradScaler and fairscale's
 // ShardedGradScaler.
 //
+//   oss->zero_grad();
 //   Tensor loss = scaler.scale(model.loss(x, y));
 //   autograd::backward(loss);
-//   auto stepped = scaler.step(sddp->held_gradients(), [&] { return oss->step(); });
+//   auto stepped = scaler.step(oss->step_gradients(), [&] { return oss->step(); });  // or sddp->held_gradients()
 //   scaler.update();
 //
 // Note [agreed found_inf] (fairscale #179): each rank checks only the gradients it holds, so ranks may see

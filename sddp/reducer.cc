@@ -49,6 +49,12 @@ Tensor flat_view(const Tensor& t, std::int64_t offset, std::int64_t length) { re
 // the buckets in the observed ready order (agreed with rank 0). If anything throws, the per-backward state
 // is reset so the next backward starts clean (the failed backward's callback does not run: the engine drops
 // its queue).
+//
+// Owned slices (flat strategies): each backward allocates them afresh (finish() at a bucket's first output
+// for the piece), fills every element (the columns / owner buckets cover each trainable piece, and a
+// parameter that got no gradient contributes zeros), and deliver_pieces() hands them over and forgets them
+// (Note [delivered gradient slices] in oss/oss.h). So between backwards the reducer holds no gradient, and
+// nothing delivered in one backward can be delivered again in a later one.
 
 Reducer::Reducer(ReduceStrategy strategy, std::vector<ReducerParam> params, std::vector<oss::FlatChunk> spaces,
                  std::vector<FlatPiece> pieces, std::shared_ptr<comm::ProcessGroup> group, ReducerOptions options)
@@ -245,6 +251,7 @@ void Reducer::begin_backward() {
   in_flight_.clear();
   launched_at_hook_.assign(buckets_.size(), -1);
   current_ = ReductionStats{};
+  for (Tensor& t : piece_grads_) t = Tensor();  // what a failed backward left half filled
   for (Bucket& b : buckets_) {
     b.pending = b.expected;
     b.grad_bytes = 0;
@@ -409,7 +416,8 @@ void Reducer::finalize() {
 
 void Reducer::deliver_pieces() {
   for (std::size_t k = 0; k < pieces_.size(); ++k) {
-    if (piece_grads_[k].defined() && pieces_[k].deliver) pieces_[k].deliver(piece_grads_[k]);
+    Tensor grad = std::exchange(piece_grads_[k], Tensor());  // handed over: the receiver owns it
+    if (grad.defined() && pieces_[k].deliver) pieces_[k].deliver(grad);
   }
 }
 
@@ -446,24 +454,6 @@ absl::Status Reducer::reduce_now() {
     return e.status();
   }
   return absl::OkStatus();
-}
-
-void Reducer::release_piece_grads() {
-  for (Tensor& t : piece_grads_) t = Tensor();
-}
-
-std::vector<Tensor> Reducer::held_gradients() const {
-  std::vector<Tensor> out;
-  if (is_flat(strategy_)) {
-    for (const Tensor& t : piece_grads_) {
-      if (t.defined()) out.push_back(t);
-    }
-    return out;
-  }
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (slots_[i].owned && params_[i].param.grad().defined()) out.push_back(params_[i].param.grad());
-  }
-  return out;
 }
 
 }  // namespace shardkit::sddp

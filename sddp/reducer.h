@@ -80,8 +80,10 @@ struct ReducerParam {
 };
 
 // reduce_scatter: one of this rank's owned slices of a flat space, [flat_offset, flat_offset + length).
-// After every synchronised backward, deliver(grad) receives its reduced gradient (`length` elements; the
-// reducer keeps the tensor and overwrites it at the next backward).
+// After every synchronised backward, deliver(grad) receives its reduced gradient: a new tensor of `length`
+// elements, every one written by this backward (a parameter that got no gradient contributes zeros). The
+// reducer keeps no reference to it: the receiver (the Oss) is its only owner (Note [delivered gradient
+// slices] in oss/oss.h).
 struct FlatPiece {
   int space = 0;
   std::int64_t flat_offset = 0;
@@ -136,11 +138,6 @@ class Reducer {
   // waits. Collective.
   absl::Status reduce_now();
 
-  // Drops the delivered flat pieces' gradients (reduce_scatter), e.g. on zero_grad(set_to_none).
-  void release_piece_grads();
-  // Gradients this rank holds after reduction: owned .grads (reduce_to_owner), every .grad (all_reduce),
-  // the owned pieces (reduce_scatter).
-  std::vector<Tensor> held_gradients() const;
 
   const std::vector<ReducerParam>& params() const { return params_; }
   std::size_t num_buckets() const { return buckets_.size(); }
@@ -203,7 +200,7 @@ class Reducer {
   std::vector<ReducerParam> params_;
   std::vector<oss::FlatChunk> spaces_;
   std::vector<FlatPiece> pieces_;
-  std::vector<Tensor> piece_grads_;
+  std::vector<Tensor> piece_grads_;  // flat strategies, during a backward only: filled, then handed over
   std::shared_ptr<comm::ProcessGroup> pg_;
   ReducerOptions options_;
   int rank_ = 0, world_ = 1;

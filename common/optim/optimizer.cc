@@ -89,19 +89,32 @@ absl::Status Optimizer::add_param_group(ParamGroup group) {
   return absl::OkStatus();
 }
 
-void Optimizer::step() {
+absl::Status Optimizer::check_step() const {
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const ParamGroup& group = groups_[g];
+    if (absl::Status s = validate_hyper(group.hyper); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(name_, " step: param group ", g, ": ", s.message()));
+    }
+    for (std::size_t j = 0; j < group.params.size(); ++j) {
+      const Tensor& p = group.params[j];
+      if (!p.storage_released()) continue;
+      return absl::FailedPreconditionError(absl::StrCat(
+          name_, " step: param group ", g, ", parameter ", j, ": expected a parameter with live storage, found ", p.describe(),
+          " (the module parameters of an fsdp::FullyShardedModel are released at rest: build the optimizer "
+          "from its parameters())"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Optimizer::step() {
+  // Everything a user can get wrong is checked first, so an error updates nothing.
+  if (absl::Status s = check_step(); !s.ok()) return s;
   MemoryCategoryScope category(MemoryCategory::optimizer_state);
   std::size_t index = 0;
   for (const ParamGroup& group : groups_) {
-    if (absl::Status s = validate_hyper(group.hyper); !s.ok()) {
-      SK_CHECK(false) << name_ << " step with invalid hyper-parameters: " << s.message();
-    }
     for (const Tensor& p : group.params) {
       std::optional<ParamState>& slot = states_[index++];
-      SK_CHECK(!p.storage_released())
-          << name_ << ": parameter " << p.describe()
-          << " has released storage: expected live parameters (the parameters of a module sharded by "
-             "fsdp::FullyShardedModel are released at rest: build the optimizer from its parameters())";
       const Tensor grad = p.grad();
       if (!grad.defined()) continue;
       SK_CHECK_EQ(grad.numel(), p.numel()) << name_ << ": grad " << grad.describe() << " for " << p.describe();
@@ -117,6 +130,7 @@ void Optimizer::step() {
       update(group.hyper, weights, p, grad, st);
     }
   }
+  return absl::OkStatus();
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

@@ -7,8 +7,32 @@
 // step(): for every group and parameter, in order, skips parameters whose grad is undefined (like
 // PyTorch), otherwise increments the parameter's step count and applies one fused update (one pass over
 // the elements: see fused_kernels.h). Gradients may be f32, bf16 or f16 whatever the parameter's dtype;
-// they are read in fp32. A grad whose element count differs from its parameter's is a broken invariant
-// (InternalError). Parameters and grads must be CPU tensors (CUDA kernels are not written yet).
+// they are read in fp32. It returns a Status (Note [training step contract]): InvalidArgument when a group's
+// hyper-parameters were set out of range (mutable_hyper), FailedPrecondition when a parameter's storage is
+// released (typically: the optimizer was built over the module parameters of an fsdp::FullyShardedModel,
+// which are released at rest); both are checked before anything is updated, so an error steps nothing.
+// A grad whose element count differs from its parameter's is a broken invariant (InternalError).
+// Parameters and grads must be CPU tensors (CUDA kernels are not written yet).
+//
+// Note [training step contract]
+// Every strategy's training loop is the same three lines, on the object that owns the step: the plain
+// Optimizer (no sharding, DistributedDataParallel, fsdp::FullyShardedModel over its parameters()) or the
+// oss::Oss (ZeRO-1, and ZeRO-2 with sddp::ShardedDataParallel):
+//
+//   opt->zero_grad();
+//   autograd::backward(model.loss(x, y));                  // a wrapper reduces the gradients during backward
+//   if (absl::Status s = opt->step(); !s.ok()) return s;   // step() is [[nodiscard]]
+//
+//   * zero_grad(set_to_none = true) drops (or zeroes) the gradient of every parameter the object holds
+//     (the Oss: all of them, owned or not, and the slices ShardedDataParallel delivered to it). It is the
+//     only zeroing call: the wrappers (sddp::DataParallel, fsdp::FullyShardedModel) have none, and keep no
+//     gradient of their own after a synchronised backward (ShardedDataParallel hands the reduced slices
+//     over to the Oss: Note [delivered gradient slices] in oss/oss.h).
+//   * step() returns absl::Status: errors from input or from other ranks (a hyper-parameter set out of
+//     range, a released parameter, a failed collective in oss::Oss::step) are Statuses naming what was
+//     expected and what was found; broken internal invariants stay checks (InternalError).
+//   * The plain Optimizer's step() leaves .grad in place (as PyTorch's); the Oss's releases the slices it
+//     was handed. Either way, zero_grad() before each backward is the rule.
 //
 // Note [master weights]
 // A bf16/f16 parameter gets, at its first step, an fp32 master copy (state key "master", charged to
@@ -51,10 +75,12 @@ class Optimizer {
   // "SGD", "Adam", "AdamW".
   const std::string& name() const { return name_; }
 
-  // One update of every parameter that has a gradient. See the file comment.
-  void step();
+  // One update of every parameter that has a gradient; nothing is updated when it returns an error. See the
+  // file comment and Note [training step contract].
+  [[nodiscard]] absl::Status step();
 
-  // Every parameter's grad becomes undefined (set_to_none) or is filled with zeros.
+  // Every parameter's grad becomes undefined (set_to_none) or is filled with zeros (Note [training step
+  // contract]).
   void zero_grad(bool set_to_none = true);
 
   // Appends a group. InvalidArgument (and no change) if a parameter is undefined, not floating point, not
@@ -127,6 +153,8 @@ class Optimizer {
 
  private:
   absl::Status check_group(const ParamGroup& group, std::size_t group_index) const;
+  // What step() refuses before updating anything (hyper-parameters, released parameters).
+  absl::Status check_step() const;
 
   std::string name_;
   HyperParams defaults_;

@@ -42,7 +42,7 @@ TEST_P(FsdpClip, ClippedTrainingEqualsSingleRankClippedTraining) {
       absl::StatusOr<double> after = (*fs)->clip_grad_norm(kMaxNorm);
       if (!after.ok()) return after.status();
       EXPECT_LE(*after, kMaxNorm * (1 + 1e-5)) << "step " << step;
-      (*opt)->step();
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
     auto values = test_util::FullValues(**fs, model);
     if (!values.ok()) return values.status();

@@ -26,7 +26,7 @@ inline absl::Status TrainRows(nn::GPT& model, optim::Optimizer& opt, int rank, i
     auto [x, y] = gpt_tiny::Batch(step, rank * rows, rows);
     opt.zero_grad();
     if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
-    opt.step();
+    if (absl::Status s = opt.step(); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

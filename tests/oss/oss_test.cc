@@ -97,7 +97,7 @@ std::vector<std::vector<float>> Reference(int world, const Scenario& sc, const o
       for (std::size_t k = 0; k < sum.size(); ++k) avg[k] = static_cast<float>(sum[k] / world);
       params[i].set_grad(Tensor::from_vector(avg, params[i].shape()));
     }
-    o.step();
+    EXPECT_TRUE(o.step().ok());
   }
   std::vector<std::vector<float>> out;
   for (const Tensor& p : params) out.push_back(p.to_vector());

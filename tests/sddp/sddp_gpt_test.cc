@@ -72,14 +72,9 @@ struct Trainer {
   void zero_grad() {
     if (plain) plain->zero_grad();
     if (oss) oss->zero_grad();
-    dp->zero_grad();
   }
   absl::Status step() {
-    if (plain) {
-      plain->step();
-      return absl::OkStatus();
-    }
-    return oss->step();
+    return plain ? plain->step() : oss->step();
   }
   // Clips the gradients the next step() uses; returns the total norm before clipping.
   absl::StatusOr<double> clip_grad_norm(double max_norm) {

@@ -33,10 +33,12 @@ struct Measured {
   std::int64_t largest = 0;        // largest parameter (elements)
   std::int64_t max_bucket = 0;     // largest bucket (elements)
   std::int64_t grad_after = 0;     // gradient bytes after backward
+  std::int64_t grad_after_step = 0;       // gradient bytes after step()
+  std::int64_t grad_after_zero_grad = 0;  // gradient bytes after the optimizer's zero_grad()
   std::int64_t grad_peak = 0;      // gradient bytes peak during backward
   std::int64_t comm_after = 0;     // communication-buffer bytes after backward
   std::int64_t comm_peak = 0;      // communication-buffer bytes peak during backward
-  std::int64_t model_state = 0;    // parameter + gradient + optimizer state bytes after step
+  std::int64_t model_state = 0;    // parameter + gradient + optimizer state bytes after backward (all held)
   std::int64_t grad_sent = 0;      // bytes sent by gradient collectives in one step
   std::int64_t total_sent = 0;     // bytes sent in one step (gradients + parameter sync)
   double overlap = 0;
@@ -86,16 +88,21 @@ std::vector<Measured> Measure(Kind kind, int world) {
       m.grad_peak = mem.peak(MemoryCategory::gradient);
       m.comm_after = mem.current(MemoryCategory::communication_buffer);
       m.comm_peak = mem.peak(MemoryCategory::communication_buffer);
-      if (plain) {
-        plain->step();
-      } else if (absl::Status s = oss->step(); !s.ok()) {
-        return s;
-      }
-      m.grad_sent = after_backward.since(before).total_sent();
-      m.total_sent = env.group.counters().since(before).total_sent();
+      m.owned = 0;
+      for (const Tensor& g : dp->held_gradients()) m.owned += g.numel();
+      // The optimizer state exists from the first step on, so from step 1 this is the ZeRO formula's point.
       m.model_state = mem.current(MemoryCategory::parameter) + mem.current(MemoryCategory::gradient) +
                       mem.current(MemoryCategory::optimizer_state);
+      if (absl::Status s = plain ? plain->step() : oss->step(); !s.ok()) return s;
+      m.grad_after_step = mem.current(MemoryCategory::gradient);
+      m.grad_sent = after_backward.since(before).total_sent();
+      m.total_sent = env.group.counters().since(before).total_sent();
     }
+    // Note [training step contract]: the optimizer's zero_grad() is the one call that drops every gradient,
+    // the slices ShardedDataParallel delivered included.
+    if (plain) plain->zero_grad();
+    if (oss) oss->zero_grad();
+    m.grad_after_zero_grad = mem.current(MemoryCategory::gradient);
     m.psi = model.num_parameters();
     m.padded_psi = m.psi;
     if (oss && kind != Kind::greedy) {
@@ -104,7 +111,6 @@ std::vector<Measured> Measure(Kind kind, int world) {
     }
     for (const Tensor& p : model.parameters()) m.largest = std::max(m.largest, p.numel());
     for (const auto b : dp->bucket_numels()) m.max_bucket = std::max(m.max_bucket, b);
-    for (const Tensor& g : dp->held_gradients()) m.owned += g.numel();
     m.overlap = dp->last_backward_stats().overlap_frac();
     m.buckets = dp->last_backward_stats().buckets;
     return absl::OkStatus();
@@ -117,9 +123,10 @@ class SddpMemory : public ::testing::TestWithParam<std::tuple<int, Kind>> {};
 
 // Steady state after backward: gradient bytes = this rank's owned share (DDP: everything), no bucket
 // buffer left; peak during backward <= owned share + the largest parameter's gradient (+ the gradient the
-// engine is accumulating), buckets in flight bounded by max_buckets_in_flight; model state against the ZeRO
-// formula (fp32 + Adam: DDP 16Ψ, ZeRO-2 4Ψ + 12Ψ/N; padding and the uneven greedy split make the measured
-// figure differ by at most the largest parameter's 12 bytes per element).
+// engine is accumulating), buckets in flight bounded by max_buckets_in_flight; model state after backward
+// against the ZeRO formula (fp32 + Adam: DDP 16Ψ, ZeRO-2 4Ψ + 12Ψ/N; padding and the uneven greedy split
+// make the measured figure differ by at most the largest parameter's 12 bytes per element). After step():
+// no gradient left where the Oss owned delivered slices; after the optimizer's zero_grad(): none at all.
 TEST_P(SddpMemory, GradientLedgerAndModelStateMatchZeroFormula) {
   const auto [world, kind] = GetParam();
   const auto ms = Measure(kind, world);
@@ -137,6 +144,11 @@ TEST_P(SddpMemory, GradientLedgerAndModelStateMatchZeroFormula) {
                 static_cast<long long>(m.total_sent), static_cast<long long>(m.grad_sent),
                 2.0 * (world - 1) / world * 4 * psi, m.overlap, static_cast<long long>(m.buckets));
     EXPECT_EQ(m.grad_after, m.owned * 4) << "rank " << r;
+    // The delivered slices (flat) have one owner, the Oss: its step releases them. Whole gradients (DDP,
+    // greedy) stay until zero_grad(), as with a plain optimizer.
+    const bool slices = kind == Kind::flat || kind == Kind::flat_owner;
+    EXPECT_EQ(m.grad_after_step, slices ? 0 : m.owned * 4) << "rank " << r;
+    EXPECT_EQ(m.grad_after_zero_grad, 0) << "rank " << r;
     EXPECT_EQ(m.comm_after, 0) << "rank " << r;
     if (kind == Kind::ddp) {
       EXPECT_EQ(m.owned, m.psi);

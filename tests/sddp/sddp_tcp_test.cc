@@ -61,13 +61,10 @@ TEST(SddpTcp, GreedyFlatAndDdpOverTcpEqualSingleRankTraining) {
           const int rows = test_util::kBatch / kWorld;
           for (int step = 0; step < kSteps; ++step) {
             auto [x, y] = test_util::Batch(step, r * rows, rows);
-            dp->zero_grad();
+            if (plain) plain->zero_grad();
+            if (oss) oss->zero_grad();
             if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
-            if (plain) {
-              plain->step();
-            } else if (absl::Status s = oss->step(); !s.ok()) {
-              return s;
-            }
+            if (absl::Status s = plain ? plain->step() : oss->step(); !s.ok()) return s;
           }
           overlap[static_cast<std::size_t>(r)] = dp->last_backward_stats().overlap_frac();
           got[static_cast<std::size_t>(r)] = test_util::Values(model);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "common/autograd/hooks.h"
 #include "common/comm/testing/run_ranks.h"
 #include "common/nn/models.h"
@@ -419,7 +420,8 @@ TEST(MultipleOptimizers, TwoOssEqualSingleRankTraining) {
       if (!dp.ok()) return dp.status();
       for (int step = 0; step < 5; ++step) {
         auto [x, y] = test_util::Batch(step, env.rank * 8, 8);
-        (*dp)->zero_grad();
+        (*oa)->zero_grad();  // two optimizers: each zeroes and steps its half
+        (*ob)->zero_grad();
         if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
         if (absl::Status s = (*oa)->step(); !s.ok()) return s;
         if (absl::Status s = (*ob)->step(); !s.ok()) return s;
@@ -488,7 +490,7 @@ TEST(ReadyOrder, RanksFollowRankZerosOrderWhenTheirOwnDiffers) {
     auto opt = optim::Sgd::factory({.lr = 0.1})({{model.parameters(), {.lr = 0.1}}});
     Generator data(9, static_cast<std::uint64_t>(env.rank));
     for (int step = 0; step < 3; ++step) {
-      (*dp)->zero_grad();
+      (*opt)->zero_grad();
       Tensor x = Tensor::uniform({2, 4}, data, -1, 1);
       Tensor la, lb;
       if (env.rank == 0) {  // backward runs the later-created head first
@@ -500,7 +502,7 @@ TEST(ReadyOrder, RanksFollowRankZerosOrderWhenTheirOwnDiffers) {
       }
       Tensor loss = autograd::add(la, lb);
       if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
-      (*opt)->step();
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
     first_bucket[static_cast<std::size_t>(env.rank)] = (*dp)->reducer().bucket_params(0);
     got[static_cast<std::size_t>(env.rank)] = test_util::Values(model);
@@ -509,6 +511,68 @@ TEST(ReadyOrder, RanksFollowRankZerosOrderWhenTheirOwnDiffers) {
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(first_bucket[0], first_bucket[1]);
   EXPECT_EQ(got[0], got[1]);
+}
+
+// Note [delivered gradient slices]: the owned slices ShardedDataParallel delivers serve one step, and a
+// parameter that gets no gradient in a step contributes zeros to that step's slices, never an earlier
+// step's. Head b is used in step 0 only; with SGD (no momentum, no weight decay) it must not move after step
+// 0, under every reduce strategy, and training must equal one rank where b has no gradient after step 0.
+TEST(DeliveredSlices, AParameterWithoutGradientIsNotSteppedWithAnEarlierStepsSlice) {
+  constexpr int kSteps = 3;
+  auto input = [](int step, int rank) {
+    Generator data(9, static_cast<std::uint64_t>(step * 2 + rank));
+    return Tensor::uniform({2, 4}, data, -1, 1);
+  };
+  auto loss = [](TwoHeads& m, const Tensor& x, bool use_b) {
+    Tensor l = autograd::sum((*m.a)(x));
+    return use_b ? autograd::add(l, autograd::sum((*m.b)(x))) : l;
+  };
+  std::vector<std::vector<float>> want;
+  {
+    RankContext ctx;
+    RankContextScope scope(ctx);
+    Generator gen(5);
+    TwoHeads model(gen);
+    auto opt = optim::Sgd::factory({.lr = 0.1})({{model.parameters(), {.lr = 0.1}}});
+    for (int step = 0; step < kSteps; ++step) {
+      (*opt)->zero_grad();
+      const bool use_b = step == 0;
+      autograd::backward(autograd::scale(autograd::add(loss(model, input(step, 0), use_b), loss(model, input(step, 1), use_b)), 0.5f));
+      ASSERT_TRUE((*opt)->step().ok());
+    }
+    want = test_util::Values(model);
+  }
+  struct Case {
+    oss::PartitionPolicy policy;
+    bool flat_reduce_scatter;
+  };
+  for (const Case c : {Case{oss::PartitionPolicy::greedy, false}, Case{oss::PartitionPolicy::flat, true},
+                       Case{oss::PartitionPolicy::flat, false}}) {
+    SCOPED_TRACE(absl::StrCat(oss::partition_policy_name(c.policy), c.flat_reduce_scatter ? " reduce_scatter" : ""));
+    std::vector<std::vector<std::vector<float>>> got(2);
+    absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+      Generator gen(5);
+      TwoHeads model(gen);
+      auto opt = oss::Oss::create({{model.parameters(), {.lr = 0.1}}}, optim::Sgd::factory(), env.group_ptr,
+                                  {.policy = c.policy});
+      if (!opt.ok()) return opt.status();
+      auto dp = ShardedDataParallel::create(model, {opt->get()}, env.group_ptr,
+                                            {.flat_reduce_scatter = c.flat_reduce_scatter});
+      if (!dp.ok()) return dp.status();
+      std::vector<float> b_after_first;
+      for (int step = 0; step < kSteps; ++step) {
+        (*opt)->zero_grad();
+        if (absl::Status s = autograd::try_backward(loss(model, input(step, env.rank), step == 0)); !s.ok()) return s;
+        if (absl::Status s = (*opt)->step(); !s.ok()) return s;
+        if (step == 0) b_after_first = model.b->parameters()[0].to_vector();
+      }
+      EXPECT_EQ(model.b->parameters()[0].to_vector(), b_after_first) << "rank " << env.rank;
+      got[static_cast<std::size_t>(env.rank)] = test_util::Values(model);
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(st.ok()) << st;
+    test_util::ExpectMatches(got, want, 1e-6);
+  }
 }
 
 }  // namespace

@@ -63,7 +63,7 @@ inline std::vector<std::vector<float>> Reference(int steps, int freeze_at = -1,
     (*opt)->zero_grad();
     autograd::backward(model.loss(x, y));
     if (clip_max_norm > 0) optim::clip_grad_norm(model.parameters(), clip_max_norm);
-    (*opt)->step();
+    EXPECT_TRUE((*opt)->step().ok());
   }
   return Values(model);
 }

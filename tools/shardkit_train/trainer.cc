@@ -104,10 +104,7 @@ class DdpRunner : public Runner {
     autograd::backward(loss);
     return all_reduce_grads(pg_, params_, precision_);
   }
-  absl::Status step() override {
-    opt_->step();
-    return absl::OkStatus();
-  }
+  absl::Status step() override { return opt_->step(); }
   void zero_grad() override { opt_->zero_grad(); }
   void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
   absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
@@ -161,12 +158,8 @@ class OssRunner : public Runner {
     return reduce_scatter_grads();
   }
   absl::Status step() override { return opt_->step(); }
-  void zero_grad() override {
-#ifdef SHARDKIT_TRAIN_HAS_SDDP
-    if (dp_) dp_->zero_grad();
-#endif
-    opt_->zero_grad();
-  }
+  // With or without ShardedDataParallel: the Oss drops every gradient, the delivered slices included.
+  void zero_grad() override { opt_->zero_grad(); }
   void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
   absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
     SKT_RETURN_IF_ERROR(opt_->consolidate_state_dict(0));
@@ -245,10 +238,7 @@ class FsdpRunner : public Runner {
     return std::unique_ptr<Runner>(new FsdpRunner(model, std::move(*fs), std::move(*opt)));
   }
   absl::Status backward(const Tensor& loss) override { return autograd::try_backward(loss); }
-  absl::Status step() override {
-    opt_->step();
-    return absl::OkStatus();
-  }
+  absl::Status step() override { return opt_->step(); }
   void zero_grad() override { opt_->zero_grad(); }
   void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
   absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {

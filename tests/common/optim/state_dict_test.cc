@@ -60,7 +60,7 @@ TEST_P(RoundTripTest, MidRunStateDictContinuesBitIdentically) {
   std::unique_ptr<Optimizer> opt_a = Build(algo, a);
   for (int t = 0; t < 4; ++t) {
     a.SetGrads(t);
-    opt_a->step();
+    ASSERT_TRUE(opt_a->step().ok());
   }
   const OptimizerStateDict saved = opt_a->state_dict();
   const Model b = a.Clone();  // parameters as saved
@@ -70,7 +70,7 @@ TEST_P(RoundTripTest, MidRunStateDictContinuesBitIdentically) {
 
   for (int t = 4; t < 10; ++t) {  // uninterrupted run
     a.SetGrads(t);
-    opt_a->step();
+    ASSERT_TRUE(opt_a->step().ok());
   }
   std::unique_ptr<Optimizer> opt_b = Build(algo, b);
   opt_b->mutable_hyper(0).lr = 123.0;  // overwritten by the dict's hyper-parameters
@@ -78,7 +78,7 @@ TEST_P(RoundTripTest, MidRunStateDictContinuesBitIdentically) {
   EXPECT_EQ(opt_b->param_group(0).hyper, saved.param_groups[0].hyper);
   for (int t = 4; t < 10; ++t) {
     b.SetGrads(t);
-    opt_b->step();
+    ASSERT_TRUE(opt_b->step().ok());
   }
   for (std::size_t k = 0; k < a.params.size(); ++k) EXPECT_TRUE(SameBits(a.params[k], b.params[k])) << "param " << k;
   EXPECT_TRUE(SameState(opt_a->state_dict(), opt_b->state_dict()));
@@ -95,7 +95,7 @@ TEST(StateDictTest, IndicesArePairedByPosition) {
   Model a(5);
   std::unique_ptr<Optimizer> opt = Build(Algo::kAdamW, a);
   a.SetGrads(0);
-  opt->step();
+  ASSERT_TRUE(opt->step().ok());
   const OptimizerStateDict local = opt->state_dict();
   const std::vector<std::int64_t> global = {10, 11, 20, 21};
   absl::StatusOr<OptimizerStateDict> remapped = remap_indices(local, global);
@@ -149,7 +149,7 @@ TEST(StateDictTest, BadDictsGiveClearErrorsAndChangeNothing) {
   Model m(9);
   std::unique_ptr<Optimizer> opt = Build(Algo::kAdamW, m);
   m.SetGrads(0);
-  opt->step();
+  ASSERT_TRUE(opt->step().ok());
   const OptimizerStateDict good = opt->state_dict();
   for (const BadCase& c : cases) {
     SCOPED_TRACE(c.name);
@@ -167,8 +167,8 @@ TEST(StateDictTest, BadDictsGiveClearErrorsAndChangeNothing) {
   ASSERT_TRUE(twin->load_state_dict(good).ok());
   m.SetGrads(1);
   fresh.SetGrads(1);
-  opt->step();
-  twin->step();
+  ASSERT_TRUE(opt->step().ok());
+  ASSERT_TRUE(twin->step().ok());
   EXPECT_TRUE(SameState(opt->state_dict(), twin->state_dict()));
 }
 
@@ -176,7 +176,7 @@ TEST(StateDictTest, SgdMomentumBufferIsOptional) {
   Model m(3);
   std::unique_ptr<Optimizer> opt = Build(Algo::kSgd, m);
   m.SetGrads(0);
-  opt->step();
+  ASSERT_TRUE(opt->step().ok());
   OptimizerStateDict d = opt->state_dict();
   d.state.at(0).tensors.erase(kMomentumBuffer);  // as after steps taken with momentum 0
   EXPECT_TRUE(opt->load_state_dict(d).ok());
@@ -229,11 +229,11 @@ TEST(OptimizerTest, SyncMasterFromParams) {
   Tensor p = Tensor::full({4}, 1.0, TensorOptions{}.with_dtype(DType::bf16));
   Sgd opt({p}, HyperParams{.lr = 0.5});
   p.set_grad(Tensor::full({4}, 1.0));
-  opt.step();
+  ASSERT_TRUE(opt.step().ok());
   EXPECT_EQ(p.item_at(0), 0.5);
   p.fill_(3.0);  // changed from outside
   opt.sync_master_from_params();
-  opt.step();
+  ASSERT_TRUE(opt.step().ok());
   EXPECT_EQ(p.item_at(0), 2.5);
 }
 
