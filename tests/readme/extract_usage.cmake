@@ -1,0 +1,107 @@
+# Extracts the ```cpp blocks of README.md's section "## Using shardkit in your training loop", verbatim, for
+# readme_usage_test.cc (cmake -DREADME=<README.md> -DOUT_DIR=<dir> -P extract_usage.cmake; run by the build
+# whenever README.md changes).
+#
+# Block k (1, 2, ...) becomes two files in OUT_DIR, which together hold its lines unchanged and in order:
+#   usage_<k>_preamble.inc  its leading #include / using-directive / blank lines (file scope in the test)
+#   usage_<k>_body.inc      the rest (included inside a function that provides the names the block uses)
+# each starting with a #line directive, so a compile error points at README.md's own line. A block with an
+# #include after its first statement, or a section without exactly EXPECTED blocks, is an error: the test
+# must not silently compile less than the README shows.
+cmake_minimum_required(VERSION 3.20)
+if(NOT DEFINED README OR NOT DEFINED OUT_DIR OR NOT DEFINED EXPECTED)
+  message(FATAL_ERROR "usage: cmake -DREADME=<README.md> -DOUT_DIR=<dir> -DEXPECTED=<blocks> -P extract_usage.cmake")
+endif()
+set(heading "## Using shardkit in your training loop\n")
+set(fence_open "```cpp\n")
+set(fence_close "```\n")
+
+file(READ "${README}" text)
+string(FIND "${text}" "${heading}" section_begin)
+if(section_begin EQUAL -1)
+  message(FATAL_ERROR "${README}: expected a section '## Using shardkit in your training loop', found none")
+endif()
+string(SUBSTRING "${text}" ${section_begin} -1 section)
+# The section ends at the next level-2 heading.
+string(LENGTH "${heading}" heading_length)
+string(SUBSTRING "${section}" ${heading_length} -1 after_heading)
+string(FIND "${after_heading}" "\n## " next_heading)
+if(NOT next_heading EQUAL -1)
+  math(EXPR section_length "${heading_length} + ${next_heading} + 1")
+  string(SUBSTRING "${section}" 0 ${section_length} section)
+endif()
+
+# Line number (1-based) of character `offset` of the section in README.md.
+function(readme_line offset out)
+  math(EXPR absolute "${section_begin} + ${offset}")
+  string(SUBSTRING "${text}" 0 ${absolute} before)
+  string(REGEX MATCHALL "\n" newlines "${before}")
+  list(LENGTH newlines n)
+  math(EXPR line "${n} + 1")
+  set(${out} ${line} PARENT_SCOPE)
+endfunction()
+
+# Variables below hold C++ text: they are only ever expanded quoted, never used as CMake lists (';').
+file(MAKE_DIRECTORY "${OUT_DIR}")
+set(count 0)
+set(offset 0)
+string(LENGTH "${fence_open}" fence_open_length)
+while(TRUE)
+  string(SUBSTRING "${section}" ${offset} -1 rest)
+  string(FIND "${rest}" "${fence_open}" open)
+  if(open EQUAL -1)
+    break()
+  endif()
+  math(EXPR code_begin "${offset} + ${open} + ${fence_open_length}")
+  string(SUBSTRING "${section}" ${code_begin} -1 code_rest)
+  # The closing fence is the first line that is exactly ``` .
+  if(code_rest MATCHES "^```\n")
+    set(code_length 0)
+  else()
+    string(FIND "${code_rest}" "\n${fence_close}" close)
+    if(close EQUAL -1)
+      message(FATAL_ERROR "${README}: a ```cpp block of the usage section has no closing fence")
+    endif()
+    math(EXPR code_length "${close} + 1")
+  endif()
+  string(SUBSTRING "${code_rest}" 0 ${code_length} code)
+  math(EXPR count "${count} + 1")
+  readme_line(${code_begin} first_line)
+
+  # Split into preamble and body, line by line, without turning the text into a list.
+  set(preamble "")
+  set(body "")
+  set(in_preamble TRUE)
+  set(line_number ${first_line})
+  set(body_line ${first_line})
+  set(remaining "${code}")
+  while(NOT remaining STREQUAL "")
+    string(FIND "${remaining}" "\n" eol)
+    math(EXPR line_length "${eol} + 1")
+    string(SUBSTRING "${remaining}" 0 ${line_length} line)
+    string(SUBSTRING "${remaining}" ${line_length} -1 remaining)
+    if(line MATCHES "^(#include |using namespace |\n$)")
+      if(NOT in_preamble AND line MATCHES "^#include ")
+        message(FATAL_ERROR "${README}:${line_number}: expected every #include of a usage block before its first "
+                            "statement, found one after it")
+      endif()
+    else()
+      set(in_preamble FALSE)
+    endif()
+    if(in_preamble)
+      string(APPEND preamble "${line}")
+      math(EXPR body_line "${line_number} + 1")
+    else()
+      string(APPEND body "${line}")
+    endif()
+    math(EXPR line_number "${line_number} + 1")
+  endwhile()
+  file(WRITE "${OUT_DIR}/usage_${count}_preamble.inc" "#line ${first_line} \"${README}\"\n${preamble}")
+  file(WRITE "${OUT_DIR}/usage_${count}_body.inc" "#line ${body_line} \"${README}\"\n${body}")
+  math(EXPR offset "${code_begin} + ${code_length}")
+endwhile()
+
+if(NOT count EQUAL EXPECTED)
+  message(FATAL_ERROR "${README}: expected ${EXPECTED} ```cpp blocks in the usage section (the test runs each), "
+                      "found ${count}: update tests/readme/ along with the README")
+endif()
