@@ -1,5 +1,6 @@
 # Decides SHARDKIT_WITH_CUDA from SHARDKIT_CUDA (AUTO / ON / OFF).
 # AUTO builds the CUDA parts when nvcc, cuBLAS and NCCL are all found; ON fails clearly when one is missing.
+# Defines CUDA::* (FindCUDAToolkit) and NCCL::nccl (cmake/FindNCCL.cmake) for common/cuda.
 set(SHARDKIT_WITH_CUDA OFF)
 if(NOT SHARDKIT_CUDA STREQUAL "OFF")
   include(CheckLanguage)
@@ -11,11 +12,10 @@ if(NOT SHARDKIT_CUDA STREQUAL "OFF")
   if(CMAKE_CUDA_COMPILER)
     enable_language(CUDA)
     find_package(CUDAToolkit)
-    find_path(SHARDKIT_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(SHARDKIT_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}/lib)
+    find_package(NCCL)  # cmake/FindNCCL.cmake: NCCL::nccl, by name
     if(NOT CUDAToolkit_FOUND OR NOT TARGET CUDA::cublas)
       set(_why "cuBLAS not found")
-    elseif(NOT SHARDKIT_NCCL_INCLUDE_DIR OR NOT SHARDKIT_NCCL_LIBRARY)
+    elseif(NOT NCCL_FOUND)
       set(_why "NCCL (nccl.h / libnccl) not found")
     else()
       set(SHARDKIT_WITH_CUDA ON)
@@ -42,7 +42,9 @@ if(SHARDKIT_WITH_CUDA)
   endif()
   set(CMAKE_CUDA_STANDARD 20)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
-  add_library(shardkit_nccl INTERFACE)
-  target_include_directories(shardkit_nccl INTERFACE ${SHARDKIT_NCCL_INCLUDE_DIR})
-  target_link_libraries(shardkit_nccl INTERFACE ${SHARDKIT_NCCL_LIBRARY})
+  # One CUDA runtime per process: the shared libcudart that CUDA::cudart names. (The default, Static, made
+  # every program that links CUDA objects link libcudart_static too.)
+  set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
 endif()
+# What the CUDA parts build into: shardkit::cuda only (common/cuda; Note [cuda component] in
+# common/cuda/cuda_component.h). The CPU libraries link no CUDA library whatever SHARDKIT_WITH_CUDA is.

@@ -1,8 +1,8 @@
 # Helpers shared by every folder's CMakeLists.txt.
 #
-# shardkit_library(NAME SOURCES ... DEPS ...) defines the target shardkit_NAME (alias shardkit::NAME),
-# compiled with the project's warnings, whose public include root is the source tree (in-tree) or
-# include/shardkit (installed), so `#include "common/tensor/tensor.h"` works in both.
+# shardkit_library(NAME SOURCES ... DEPS ... [PRIVATE_DEPS ...] [COMPONENT cuda]) defines the target shardkit_NAME
+# (alias shardkit::NAME), compiled with the project's warnings, whose public include root is the source tree
+# (in-tree) or include/shardkit (installed), so `#include "common/tensor/tensor.h"` works in both.
 set(SHARDKIT_LIBRARY_TARGETS "" CACHE INTERNAL "")
 
 function(shardkit_warnings target)
@@ -21,7 +21,7 @@ function(shardkit_warnings target)
 endfunction()
 
 function(shardkit_library name)
-  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  cmake_parse_arguments(ARG "" "COMPONENT" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   set(target shardkit_${name})
   add_library(${target} STATIC ${ARG_SOURCES})
   add_library(shardkit::${name} ALIAS ${target})
@@ -32,20 +32,36 @@ function(shardkit_library name)
   target_link_libraries(${target} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   target_compile_features(${target} PUBLIC cxx_std_20)
   shardkit_warnings(${target})
-  install(TARGETS ${target} EXPORT shardkitTargets ARCHIVE DESTINATION lib)
+  # The CPU libraries form the package's default export set (shardkitTargets.cmake) and the umbrella
+  # target; COMPONENT cuda goes to shardkitCudaTargets.cmake only (Note [cuda component]).
+  if(ARG_COMPONENT STREQUAL "cuda")
+    set(export_set shardkitCudaTargets)
+  elseif(ARG_COMPONENT)
+    message(FATAL_ERROR "shardkit_library(${name}): unknown COMPONENT ${ARG_COMPONENT}")
+  else()
+    set(export_set shardkitTargets)
+    set(SHARDKIT_LIBRARY_TARGETS ${SHARDKIT_LIBRARY_TARGETS} ${target} CACHE INTERNAL "")
+  endif()
+  install(TARGETS ${target} EXPORT ${export_set} ARCHIVE DESTINATION lib)
   file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
   install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/ DESTINATION include/shardkit/${rel}
     FILES_MATCHING PATTERN "*.h")
-  set(SHARDKIT_LIBRARY_TARGETS ${SHARDKIT_LIBRARY_TARGETS} ${target} CACHE INTERNAL "")
 endfunction()
 
-# shardkit_cuda_sources(TARGET SOURCES ...) adds .cu files to TARGET (only call it when SHARDKIT_WITH_CUDA)
-# and defines SHARDKIT_HAS_CUDA for TARGET and its users.
-function(shardkit_cuda_sources target)
+# shardkit_cuda_sources(SOURCES ...) hands a folder's CUDA sources (.cu, or .cc that include CUDA headers) to
+# the cuda component: common/cuda/CMakeLists.txt compiles them all into shardkit::cuda, which registers them
+# with the CPU libraries at start-up (Note [cuda component] in common/cuda/cuda_component.h). Nothing happens
+# in a build without CUDA, so folders call it unconditionally.
+set_property(GLOBAL PROPERTY SHARDKIT_CUDA_SOURCES "")
+function(shardkit_cuda_sources)
   cmake_parse_arguments(ARG "" "" "SOURCES" ${ARGN})
-  target_sources(${target} PRIVATE ${ARG_SOURCES})
-  target_link_libraries(${target} PUBLIC CUDA::cudart)
-  target_compile_definitions(${target} PUBLIC SHARDKIT_HAS_CUDA=1)
+  if(NOT SHARDKIT_WITH_CUDA)
+    return()
+  endif()
+  foreach(src ${ARG_SOURCES})
+    get_filename_component(src ${src} ABSOLUTE BASE_DIR ${CMAKE_CURRENT_SOURCE_DIR})
+    set_property(GLOBAL APPEND PROPERTY SHARDKIT_CUDA_SOURCES ${src})
+  endforeach()
 endfunction()
 
 # shardkit_test(NAME SOURCES ... DEPS ... [LABELS ...]) builds a gtest binary and registers its tests.

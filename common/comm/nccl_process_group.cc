@@ -1,4 +1,4 @@
-// The NCCL backend (see nccl_process_group.h). Compiled only in CUDA builds.
+// The NCCL backend (see nccl_process_group.h). Part of shardkit::cuda (Note [cuda component]).
 #include "common/comm/nccl_process_group.h"
 
 #include <cuda_runtime.h>
@@ -381,7 +381,7 @@ std::shared_ptr<Work> NcclGroup::enqueue_locked(CollectiveCall& call, const std:
 
 }  // namespace
 
-bool nccl_backend_built() { return true; }
+namespace cuda_impl {
 
 absl::StatusOr<std::shared_ptr<ProcessGroup>> create_nccl_group(std::shared_ptr<Store> store, int rank, int size,
                                                                 int device, const NcclOptions& options) {
@@ -396,4 +396,5 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> create_nccl_group(std::shared_ptr<
                            device, options.name, options.default_timeout, absl::Now() + options.init_timeout);
 }
 
+}  // namespace cuda_impl
 }  // namespace shardkit::comm

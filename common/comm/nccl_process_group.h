@@ -20,7 +20,10 @@
 // Tensors must be CUDA tensors on the group's device; dtypes f32, bf16, f16, i64; every ReduceOp (premul_sum
 // through ncclRedOpCreatePreMulSum). Sub-groups are bootstrapped through the same Store.
 //
-// Builds without CUDA compile this header; create_nccl_group() then returns Unimplemented.
+// The backend (nccl_process_group.cc) is part of shardkit::cuda, which registers it at start-up (Note [cuda
+// component] in common/cuda/cuda_component.h); the CPU library only dispatches (nccl_process_group_dispatch.cc).
+// In a program that does not link shardkit::cuda, or a build without CUDA, create_nccl_group() returns
+// Unimplemented saying which.
 #pragma once
 
 #include <memory>
@@ -42,12 +45,26 @@ struct NcclOptions {
   std::string store_prefix = "nccl";
 };
 
-// True when this build has the NCCL backend.
+// True when this program has the NCCL backend: shardkit was built with CUDA and NCCL, and the program links
+// shardkit::cuda.
 bool nccl_backend_built();
 
 // Rank `rank` of `size` joins an NCCL group on CUDA device `device`. Every rank calls it with the same
 // size, options.store_prefix and a Store shared by all ranks (e.g. TcpStore).
 absl::StatusOr<std::shared_ptr<ProcessGroup>> create_nccl_group(std::shared_ptr<Store> store, int rank, int size,
                                                                 int device, const NcclOptions& options = {});
+
+// ---- the seam (Note [cuda component]) -----------------------------------------------------------------
+struct NcclBackendOps {
+  decltype(&comm::create_nccl_group) create_group;
+};
+
+// Called once by shardkit::cuda's static initialiser; `ops` must outlive the program (a constant).
+void register_nccl_backend(const NcclBackendOps* ops);
+
+// The backend, defined in nccl_process_group.cc (part of shardkit::cuda only).
+namespace cuda_impl {
+decltype(comm::create_nccl_group) create_nccl_group;
+}  // namespace cuda_impl
 
 }  // namespace shardkit::comm

@@ -1,17 +1,43 @@
-// Raw device allocation behind Storage. The CUDA implementation (device_memory_cuda.cu) is compiled
-// when the build has CUDA; otherwise device_memory_nocuda.cc reports that CUDA is absent.
+// Raw device allocation behind Storage. The CPU library (this header, device_memory.cc) only dispatches: the
+// CUDA implementation (device_memory_cuda.cu) lives in shardkit::cuda, which registers it at start-up when
+// a program links it (Note [cuda component] in common/cuda/cuda_component.h). Without it, cuda_allocate()
+// says why CUDA is absent and cuda_device_count() is 0.
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "common/tensor/device.h"
 
 namespace shardkit::detail {
 
-// Throws InternalError with the CUDA error text on failure (or when the build has no CUDA).
+// Throws InternalError with the CUDA error text on failure, or with cuda_unavailable_reason() when the
+// program has no CUDA implementation.
 void* cuda_allocate(Device device, std::size_t nbytes);
 void cuda_free(Device device, void* ptr) noexcept;
-// Number of CUDA devices visible at run time (0 without CUDA or without a GPU).
+// Number of CUDA devices visible at run time (0 without the CUDA component or without a GPU).
 int cuda_device_count() noexcept;
+
+// Why CUDA is not available in this program: "shardkit was built without CUDA", or (a build with CUDA)
+// that the program does not link shardkit::cuda. Kernels and the NCCL backend use it in their errors.
+std::string cuda_unavailable_reason();
+
+// ---- the seam (Note [cuda component]) -----------------------------------------------------------------
+struct CudaMemoryOps {
+  decltype(&detail::cuda_allocate) allocate;
+  decltype(&detail::cuda_free) free;
+  decltype(&detail::cuda_device_count) device_count;
+};
+
+// Called once by shardkit::cuda's static initialiser; `ops` must outlive the program (a constant).
+void register_cuda_memory(const CudaMemoryOps* ops);
+
+// The CUDA implementation, defined in device_memory_cuda.cu (part of shardkit::cuda only; nothing in the
+// CPU libraries refers to these).
+namespace cuda_impl {
+decltype(detail::cuda_allocate) cuda_allocate;
+decltype(detail::cuda_free) cuda_free;
+decltype(detail::cuda_device_count) cuda_device_count;
+}  // namespace cuda_impl
 
 }  // namespace shardkit::detail

@@ -1,9 +1,10 @@
+// The CUDA device memory behind detail::cuda_allocate (part of shardkit::cuda; Note [cuda component]).
 #include <cuda_runtime.h>
 
 #include "common/base/check.h"
 #include "common/tensor/device_memory.h"
 
-namespace shardkit::detail {
+namespace shardkit::detail::cuda_impl {
 
 void* cuda_allocate(Device device, std::size_t nbytes) {
   SK_CHECK(device.is_cuda());
@@ -28,4 +29,4 @@ int cuda_device_count() noexcept {
   return n;
 }
 
-}  // namespace shardkit::detail
+}  // namespace shardkit::detail::cuda_impl

@@ -61,6 +61,8 @@ void CastFrom(const Src* src, void* dst, DType dst_dtype, std::int64_t n) {
 
 }  // namespace
 
+namespace cuda_impl {
+
 #define SK_LAUNCH(name, kernel, ...)                                           \
   do {                                                                         \
     if (n == 0) return;                                                        \
@@ -122,4 +124,5 @@ void copy_bytes(const void* src, Device src_device, void* dst, Device dst_device
   SK_CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
 }
 
+}  // namespace cuda_impl
 }  // namespace shardkit::kernels::cuda

@@ -7,9 +7,9 @@
 // (no TF32 tensor-core rounding), so results agree with the CPU GEMM to fp32 rounding.
 //
 // Note [cuBLAS loaded on first use]: linking libcublas (and the 540 MB libcublasLt it pulls in) costs
-// every process that links shardkit::kernels 0.1-0.15 s at start-up (their static initialisers), measured
-// here. Every test case is its own process under ctest, and almost every binary links the kernels, so
-// that start-up cost multiplies. cuBLAS is therefore opened with dlopen the first time a CUDA GEMM runs,
+// every process that links the CUDA kernels (shardkit::cuda) 0.1-0.15 s at start-up (their static
+// initialisers), measured here. Every test case is its own process under ctest, so that start-up cost
+// multiplies. cuBLAS is therefore opened with dlopen the first time a CUDA GEMM runs,
 // and its four entry points are looked up once (an immutable table after that: no mutable global state).
 #include <cublas_v2.h>
 #include <dlfcn.h>
@@ -116,6 +116,8 @@ __global__ void ScaleMatrixKernel(float* c, std::int64_t m, std::int64_t n, std:
 
 }  // namespace
 
+namespace cuda_impl {
+
 void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
           std::int64_t ldc) {
@@ -144,4 +146,5 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
 
 std::string cublas_load_error() { return Cublas().error; }
 
+}  // namespace cuda_impl
 }  // namespace shardkit::kernels::cuda

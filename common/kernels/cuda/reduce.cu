@@ -83,6 +83,8 @@ double Run(Device device, const void* x, DType dtype, std::int64_t n) {
 
 }  // namespace
 
+namespace cuda_impl {
+
 double sum(Device device, const void* x, DType dtype, std::int64_t n) { return Run<Op::sum>(device, x, dtype, n); }
 double sum_squares(Device device, const void* x, DType dtype, std::int64_t n) {
   return Run<Op::sum_squares>(device, x, dtype, n);
@@ -91,4 +93,5 @@ double max_abs(Device device, const void* x, DType dtype, std::int64_t n) {
   return Run<Op::max_abs>(device, x, dtype, n);
 }
 
+}  // namespace cuda_impl
 }  // namespace shardkit::kernels::cuda

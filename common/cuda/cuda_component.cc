@@ -1,0 +1,52 @@
+// Registers shardkit::cuda's implementations with the CPU libraries' seams at static-init time
+// (Note [cuda component] in cuda_component.h).
+#include "common/cuda/cuda_component.h"
+
+#include "common/comm/nccl_process_group.h"
+#include "common/kernels/cuda/cuda_kernels.h"
+#include "common/tensor/device_memory.h"
+
+namespace shardkit {
+namespace {
+
+constexpr detail::CudaMemoryOps kMemory{
+    .allocate = &detail::cuda_impl::cuda_allocate,
+    .free = &detail::cuda_impl::cuda_free,
+    .device_count = &detail::cuda_impl::cuda_device_count,
+};
+
+namespace kc = kernels::cuda::cuda_impl;
+constexpr kernels::cuda::CudaKernelOps kKernels{
+    .gemm = &kc::gemm,
+    .cublas_load_error = &kc::cublas_load_error,
+    .sum = &kc::sum,
+    .sum_squares = &kc::sum_squares,
+    .max_abs = &kc::max_abs,
+    .add = &kc::add,
+    .sub = &kc::sub,
+    .mul = &kc::mul,
+    .scale = &kc::scale,
+    .axpy = &kc::axpy,
+    .axpby = &kc::axpby,
+    .fill = &kc::fill,
+    .cast = &kc::cast,
+    .copy_bytes = &kc::copy_bytes,
+};
+
+constexpr comm::NcclBackendOps kNccl{.create_group = &comm::cuda_impl::create_nccl_group};
+
+// The one write of each registry (Note [cuda component]): this object's constructor runs during static
+// initialisation of every program that links shardkit::cuda.
+struct Registration {
+  Registration() {
+    detail::register_cuda_memory(&kMemory);
+    kernels::cuda::register_cuda_kernels(&kKernels);
+    comm::register_nccl_backend(&kNccl);
+  }
+};
+const Registration kRegistration;
+
+}  // namespace
+}  // namespace shardkit
+
+extern "C" void shardkit_cuda_component_anchor() {}

@@ -1,0 +1,41 @@
+// Dispatch to the CUDA device memory that shardkit::cuda registers (Note [cuda component]).
+#include "common/tensor/device_memory.h"
+
+#include "common/base/check.h"
+#include "common/tensor/startup_registry.h"
+
+namespace shardkit::detail {
+namespace {
+
+constinit StartupRegistry<CudaMemoryOps> g_cuda_memory;  // written once, at static-init time
+
+}  // namespace
+
+void register_cuda_memory(const CudaMemoryOps* ops) { g_cuda_memory.set(ops, "CUDA device memory"); }
+
+std::string cuda_unavailable_reason() {
+#if SHARDKIT_CUDA_COMPONENT_BUILT
+  return "this program does not link shardkit::cuda (use find_package(shardkit COMPONENTS cuda) and "
+         "target_link_libraries(... shardkit::cuda))";
+#else
+  return "shardkit was built without CUDA";
+#endif
+}
+
+void* cuda_allocate(Device device, std::size_t nbytes) {
+  const CudaMemoryOps* ops = g_cuda_memory.get();
+  SK_CHECK(ops != nullptr) << "cannot allocate on " << device.str() << ": " << cuda_unavailable_reason();
+  return ops->allocate(device, nbytes);
+}
+
+void cuda_free(Device device, void* ptr) noexcept {
+  // Memory on a CUDA device can only come from a registered implementation.
+  if (const CudaMemoryOps* ops = g_cuda_memory.get()) ops->free(device, ptr);
+}
+
+int cuda_device_count() noexcept {
+  const CudaMemoryOps* ops = g_cuda_memory.get();
+  return ops != nullptr ? ops->device_count() : 0;
+}
+
+}  // namespace shardkit::detail
