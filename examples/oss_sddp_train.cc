@@ -3,14 +3,12 @@
 // keeps 1/4 of the gradients and 1/4 of the AdamW state. Run: build/examples/oss_sddp_train
 #include <cstdio>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/autograd/engine.h"
-#include "common/comm/in_process_group.h"
+#include "common/comm/run_ranks.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
-#include "common/tensor/rank_context.h"
 #include "oss/oss.h"
 #include "sddp/data_parallel.h"
 
@@ -19,13 +17,12 @@ using namespace shardkit;
 int main() {
   constexpr int kRanks = 4, kSteps = 30, kRows = 2;
   const nn::GPTConfig config = *nn::GPTConfig::named("gpt-10k");  // vocab 64, context 16
-  auto world = comm::InProcessWorld::create(kRanks);
-
-  auto rank_main = [&](int rank) -> absl::Status {
-    RankContext ctx;  // this rank's memory ledger and RNG
-    ctx.rank = rank, ctx.world_size = kRanks;
-    RankContextScope scope(ctx);
-    std::shared_ptr<comm::ProcessGroup> pg = world->group(rank);
+  // Every rank runs this on a thread of its own, with its own memory ledger and RNG stream (env.context) and its
+  // handle on the world group (env.group); run_ranks returns the first failure, naming its rank.
+  const absl::Status status = comm::run_ranks(kRanks, [&](comm::ThreadRankEnv& env) -> absl::Status {
+    const int rank = env.rank;
+    const RankContext& ctx = env.context;
+    const std::shared_ptr<comm::ProcessGroup>& pg = env.group;
 
     nn::GPT model(config, /*seed=*/1);
     auto opt = oss::Oss::create({{model.parameters(), optim::AdamW::default_hyper()}}, optim::AdamW::factory(), pg,
@@ -53,20 +50,7 @@ int main() {
                 static_cast<long long>(ctx.memory->current(MemoryCategory::optimizer_state)),
                 static_cast<long long>(4 * model.num_parameters()), static_cast<long long>(8 * model.num_parameters()));
     return absl::OkStatus();
-  };
-
-  std::vector<absl::Status> status(kRanks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      status[r] = rank_main(r);
-      if (!status[r].ok()) world->abort(status[r]);
-      world->mark_departed(r);
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& s : status) {
-    if (!s.ok()) return std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str()), 1;
-  }
+  });
+  if (!status.ok()) return std::fprintf(stderr, "error: %s\n", std::string(status.message()).c_str()), 1;
   return 0;
 }

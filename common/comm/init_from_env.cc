@@ -57,8 +57,8 @@ std::string route_source_address(const std::string& host, std::uint16_t port) {
 
 }  // namespace
 
-absl::StatusOr<RankEnv> parse_rank_env(const std::function<const char*(const char*)>& lookup) {
-  RankEnv env;
+absl::StatusOr<ProcessRankEnv> parse_rank_env(const std::function<const char*(const char*)>& lookup) {
+  ProcessRankEnv env;
   auto world = parse_in("WORLD_SIZE", lookup("WORLD_SIZE"), 1, 1 << 20, "an integer >= 1");
   if (!world.ok()) return world.status();
   env.world_size = static_cast<int>(*world);
@@ -82,8 +82,12 @@ absl::StatusOr<RankEnv> parse_rank_env(const std::function<const char*(const cha
   return env;
 }
 
-absl::StatusOr<RankEnv> read_rank_env() {
+absl::StatusOr<ProcessRankEnv> read_rank_env() {
   return parse_rank_env([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+void init_rank_context(const ProcessRankEnv& env, const RankContextOptions& options, RankContext& ctx) {
+  set_rank(ctx, env.rank, env.world_size, options.seed, options.streams);
 }
 
 absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions options) {
@@ -108,6 +112,7 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
   }
   auto pg = TcpProcessGroup::create(std::shared_ptr<Store>(std::move(*store)), env->rank, env->world_size, go);
   if (!pg.ok()) return pg.status();
+  if (options.rank_context.install) init_rank_context(*env, options.rank_context, current_rank_context());
   return std::shared_ptr<ProcessGroup>(std::move(*pg));
 }
 

@@ -4,6 +4,17 @@
 // tools/shardkit-store; clients retry connecting until store_connect_timeout) and returns this rank's TCP
 // process group over all WORLD_SIZE ranks.
 //
+// The rank context: on success init_from_env also makes the calling thread's current_rank_context() this
+// rank's, the way run_ranks (run_ranks.h) sets up each rank thread: rank = RANK, world_size = WORLD_SIZE and
+// generator = Generator(seed).fork(RANK), so dropout and other randomness differ across ranks (options
+// .rank_context: same_on_every_rank gives every rank Generator(seed); install = false leaves the context
+// alone). The context is modified in place, not replaced: it keeps its memory tracker. Lifetime: nothing is
+// returned to keep alive. Without a RankContextScope on the calling thread the context is that thread's own
+// default context, which lives as long as the thread (for the main thread: the process); under a scope it is
+// the scope's context, and the change ends with it. Other threads of the process keep their own default
+// context (rank 0 of 1); to run one as this rank, install a RankContextScope on it for a context of its own
+// set up with init_rank_context (a Generator is not thread-safe: do not share one between threads).
+//
 // Errors: InvalidArgument naming the variable, e.g. "expected environment variable RANK to be an integer in
 // [0, WORLD_SIZE=4), found '7'" or "... found it unset"; the store's and group's own errors otherwise.
 // Thread-safety: reads the environment; call it once per process, before starting threads that setenv.
@@ -18,10 +29,13 @@
 #include "absl/time/time.h"
 #include "common/comm/process_group.h"
 #include "common/comm/tcp_process_group.h"
+#include "common/tensor/rank_context.h"
 
 namespace shardkit::comm {
 
-struct RankEnv {
+// What the environment says about this process's rank (named apart from the test harness's RankEnv,
+// comm/testing/run_ranks.h, which is a different struct in the same namespace).
+struct ProcessRankEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
@@ -31,9 +45,21 @@ struct RankEnv {
 
 // Parses the variables through `lookup` (returns null for an unset variable). LOCAL_RANK defaults to RANK
 // when unset. Pure: testable without touching the process environment.
-absl::StatusOr<RankEnv> parse_rank_env(const std::function<const char*(const char*)>& lookup);
+absl::StatusOr<ProcessRankEnv> parse_rank_env(const std::function<const char*(const char*)>& lookup);
 // parse_rank_env(getenv).
-absl::StatusOr<RankEnv> read_rank_env();
+absl::StatusOr<ProcessRankEnv> read_rank_env();
+
+// How init_from_env sets up the calling thread's rank context.
+struct RankContextOptions {
+  bool install = true;                          // false: leave current_rank_context() as it is
+  std::uint64_t seed = 0;                       // every rank's Generator seed
+  RankStreams streams = RankStreams::per_rank;  // Generator(seed).fork(RANK), or Generator(seed) on every rank
+};
+
+// Makes `ctx` the context of rank env.rank of env.world_size: set_rank(ctx, env.rank, env.world_size,
+// options.seed, options.streams) (rank_context.h): what init_from_env does to current_rank_context(), without
+// reading the environment or connecting.
+void init_rank_context(const ProcessRankEnv& env, const RankContextOptions& options, RankContext& ctx);
 
 struct InitFromEnvOptions {
   // The group's options. listen_host empty: 127.0.0.1 when MASTER_ADDR is a loopback address, else the
@@ -48,6 +74,7 @@ struct InitFromEnvOptions {
   // Rank 0 hosts the store server; false: a standalone server already listens at MASTER_ADDR:MASTER_PORT.
   bool host_store = true;
   std::string store_token;  // empty: SHARDKIT_STORE_TOKEN if set
+  RankContextOptions rank_context;
 };
 
 absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions options = {});

@@ -1,5 +1,7 @@
 #include "common/tensor/rank_context.h"
 
+#include "common/base/check.h"
+
 namespace shardkit {
 namespace {
 // Thread-local, not process-global: each simulated rank is its own thread (DESIGN.md section 2).
@@ -11,6 +13,20 @@ RankContext& ThreadDefaultContext() {
   return ctx;
 }
 }  // namespace
+
+Generator rank_generator(std::uint64_t seed, int rank, RankStreams streams) {
+  SK_CHECK_GE(rank, 0);
+  const Generator base(seed);
+  return streams == RankStreams::per_rank ? base.fork(static_cast<std::uint64_t>(rank)) : base;
+}
+
+void set_rank(RankContext& ctx, int rank, int world_size, std::uint64_t seed, RankStreams streams) {
+  SK_CHECK_GE(rank, 0);
+  SK_CHECK_LT(rank, world_size);
+  ctx.rank = rank;
+  ctx.world_size = world_size;
+  ctx.generator = rank_generator(seed, rank, streams);
+}
 
 RankContext& current_rank_context() { return tl_context ? *tl_context : ThreadDefaultContext(); }
 

@@ -24,6 +24,19 @@ struct RankContext {
   Generator generator;
 };
 
+// Which random stream each rank of a world draws from (dropout, random init, sampling): per_rank gives rank r
+// Generator(seed).fork(r), so randomness differs across ranks (the default of comm::run_ranks and
+// comm::init_from_env); same_on_every_rank gives every rank Generator(seed) (stream 0), e.g. to reproduce a
+// one-rank run's dropout masks on every rank.
+enum class RankStreams { per_rank, same_on_every_rank };
+
+// The generator rank `rank` starts with under `streams`.
+Generator rank_generator(std::uint64_t seed, int rank, RankStreams streams);
+
+// Makes `ctx` rank `rank` of `world_size`: sets rank, world_size and generator = rank_generator(seed, rank,
+// streams); keeps its memory tracker.
+void set_rank(RankContext& ctx, int rank, int world_size, std::uint64_t seed, RankStreams streams);
+
 // The context the calling thread runs as.
 RankContext& current_rank_context();
 

@@ -1,5 +1,7 @@
-// RunRanks: runs n simulated ranks as threads of this process, each with its own rank context and its
-// own handle on an in-process world group (DESIGN.md section 8). The harness of every layer's tests.
+// RunRanks: the test harness over comm::run_ranks (common/comm/run_ranks.h, which documents the rank
+// threads, their contexts and RNG streams, and the failure semantics: a failing or throwing rank aborts the
+// world naming itself, a returning rank departs, the first failure is returned). RunRanks only hands fn the
+// richer RankEnv below (references to the context, group and world) that the tests are written against.
 //
 //   absl::Status st = RunRanks(4, [](RankEnv& env) {
 //     Tensor t = Tensor::full({8}, env.rank);
@@ -8,20 +10,6 @@
 //     return s;                            // or return nothing (void)
 //   });
 //   EXPECT_TRUE(st.ok()) << st;
-//
-// Each rank thread gets:
-//   * a RankContext {rank, world_size, its own MemoryTracker, Generator(seed).fork(rank)} installed with
-//     RankContextScope for the whole call, so tensors it allocates are charged to its own ledger;
-//   * its own ProcessGroup handle on the world (env.group), created by an InProcessWorld.
-// fn may return void or absl::Status.
-//
-// Failure: when a rank's fn throws or returns a non-OK Status, the world is aborted with
-// "rank r: <what>" (so every other rank's pending and later collectives fail at once, naming it);
-// when a rank's fn returns, the rank is marked departed (collectives of other ranks that wait for it
-// fail at once instead of waiting for their deadline). RunRanks joins every thread and returns OK, or
-// the FIRST failure (the origin, not the consequences it caused on other ranks), which names its rank.
-// Collectives have a default timeout (RunRanksOptions::timeout) so nothing waits forever; code in fn
-// that waits on something else must use deadlines too.
 //
 // gtest: assertion failures inside fn are recorded by gtest as usual (gtest is thread-safe), but the
 // harness does not see them: an ASSERT_* that returns early from fn makes the rank depart, which fails
@@ -37,6 +25,7 @@
 #include "absl/time/time.h"
 #include "common/comm/in_process_group.h"
 #include "common/comm/process_group.h"
+#include "common/comm/run_ranks.h"
 #include "common/tensor/rank_context.h"
 
 namespace shardkit::comm {
@@ -50,14 +39,7 @@ struct RankEnv {
   InProcessWorld& world;
 };
 
-struct RunRanksOptions {
-  // Default timeout of every collective (the group's default_timeout).
-  absl::Duration timeout = absl::Seconds(60);
-  // The in-process backend's reduction chunk; 0 = its default. Tests set e.g. 16 to run multi-chunk paths.
-  std::int64_t chunk_bytes = 0;
-  // Seed of every rank's Generator (rank r uses Generator(seed).fork(r)).
-  std::uint64_t seed = 0;
-};
+// RunRanksOptions: comm::RunRanksOptions (run_ranks.h).
 
 absl::Status RunRanksImpl(int n, const std::function<absl::Status(RankEnv&)>& fn, const RunRanksOptions& options);
 
