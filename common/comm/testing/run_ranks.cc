@@ -2,14 +2,8 @@
 
 namespace shardkit::comm {
 
-absl::Status RunRanksImpl(int n, const std::function<absl::Status(RankEnv&)>& fn, const RunRanksOptions& options) {
-  return run_ranks_impl(
-      n,
-      [&fn](ThreadRankEnv& t) {
-        RankEnv env{t.rank, t.world_size, t.context, *t.group, t.group, t.world};
-        return fn(env);
-      },
-      options);
+RankEnv to_rank_env(ThreadRankEnv& env) {
+  return RankEnv{env.rank, env.world_size, env.context, *env.group, env.group, env.world};
 }
 
 }  // namespace shardkit::comm

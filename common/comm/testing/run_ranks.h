@@ -41,23 +41,19 @@ struct RankEnv {
 
 // RunRanksOptions: comm::RunRanksOptions (run_ranks.h).
 
-absl::Status RunRanksImpl(int n, const std::function<absl::Status(RankEnv&)>& fn, const RunRanksOptions& options);
+// The harness's view of a run_ranks thread.
+RankEnv to_rank_env(ThreadRankEnv& env);
 
+// fn(RankEnv&) returns void or absl::Status, as for run_ranks.
 template <typename F>
 absl::Status RunRanks(int n, F&& fn, const RunRanksOptions& options = {}) {
-  using R = std::invoke_result_t<F&, RankEnv&>;
-  if constexpr (std::is_void_v<R>) {
-    return RunRanksImpl(
-        n,
-        [&fn](RankEnv& env) {
-          fn(env);
-          return absl::OkStatus();
-        },
-        options);
-  } else {
-    static_assert(std::is_convertible_v<R, absl::Status>, "RunRanks: fn must return void or absl::Status");
-    return RunRanksImpl(n, [&fn](RankEnv& env) -> absl::Status { return fn(env); }, options);
-  }
+  return run_ranks(
+      n,
+      [&fn](ThreadRankEnv& t) -> decltype(auto) {
+        RankEnv env = to_rank_env(t);
+        return fn(env);
+      },
+      options);
 }
 
 }  // namespace shardkit::comm
