@@ -18,6 +18,7 @@ const std::vector<NamedConfig>& Configs() {
       {"gpt-1m", {.vocab_size = 512, .context = 64, .width = 128, .num_layers = 4, .num_heads = 4}},
       {"gpt-10m", {.vocab_size = 4096, .context = 128, .width = 256, .num_layers = 12, .num_heads = 8}},
       {"gpt-100m", {.vocab_size = 16384, .context = 512, .width = 768, .num_layers = 12, .num_heads = 12}},
+      {"gpt2-small", {.vocab_size = 50257, .context = 1024, .width = 768, .num_layers = 12, .num_heads = 12}},
   };
   return kConfigs;
 }

@@ -39,6 +39,7 @@ struct GPTConfig {
   //   "gpt-1m"                   512       64    128       4      4     867,072
   //   "gpt-10m"                 4096      128    256      12      8  10,558,976
   //   "gpt-100m"               16384      512    768      12     12  98,032,128
+  //   "gpt2-small"             50257     1024    768      12     12 124,439,808  (GPT-2 small's shape)
   // NotFound (listing the names) for anything else.
   static absl::StatusOr<GPTConfig> named(const std::string& name);
   static std::vector<std::string> names();

@@ -22,6 +22,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/tools/subprocess.h"
 
 namespace shardkit {
@@ -173,8 +174,31 @@ TEST(ShardkitTrainBadInput, ZeroRanks) {
 TEST(ShardkitTrainBadInput, UnknownOptionAndBadNumbers) {
   ExpectOneLineError(Train({"--frobnicate"}), "unknown option '--frobnicate'");
   ExpectOneLineError(Train({"--steps", "ten"}), "expected --steps a number of steps >= 1, found 'ten'");
-  ExpectOneLineError(Train({"--model", "huge"}), "expected --model tiny, small or base, found 'huge'");
+  ExpectOneLineError(Train({"--model", "huge"}),
+                     "expected --model tiny, small, base, gpt-1m, gpt-10m, gpt-100m, gpt2-small, found 'huge'");
   ExpectOneLineError(Train({"--lr"}), "expected a value after --lr");
+}
+
+// The shape flags: a named config whose vocabulary cannot hold bytes, heads that do not divide the width, and
+// each flag's bounds are refused before anything is built.
+TEST(ShardkitTrainBadInput, ModelShapeFlags) {
+  ExpectOneLineError(Train({"--model", "gpt-10k"}),
+                     "found 'gpt-10k' (a vocabulary of 64 tokens; bytes need 256)");
+  ExpectOneLineError(Train({"--model", "tiny", "--heads", "3"}),
+                     "expected --heads to divide the width 32, found 3 heads (model tiny --heads 3)");
+  ExpectOneLineError(Train({"--width", "0"}), "expected --width a width in [1, 65536], found '0'");
+  ExpectOneLineError(Train({"--layers", "-1"}), "expected --layers a number of layers in [0, 1024], found '-1'");
+  ExpectOneLineError(Train({"--context", "16385"}), "expected --context a context in [1, 16384] bytes, found '16385'");
+  ExpectOneLineError(Train({"--heads", "1000000"}), "expected --heads a number of heads in [1, 65536], found '1000000'");
+}
+
+TEST(ShardkitTrainBadInput, UnwritableMetricsLog) {
+  const std::string dir = TempDir("unwritable_log");
+  fs::create_directories(dir);
+  std::ofstream(dir + "/file").put('x');
+  ExpectOneLineError(Train({"--model", "tiny", "--steps", "1", "--log", dir + "/file/m.jsonl"}),
+                     "cannot write the metrics log '" + dir + "/file/m.jsonl'");
+  fs::remove_all(dir);
 }
 
 // Root can write anywhere, so the unwritable directory is one below a regular file.
@@ -413,6 +437,87 @@ TEST(ShardkitTrain, Bf16HalvesDdpGradientTraffic) {
   EXPECT_GE(fp32, 34688 * 4);
   EXPECT_LE(fp32, 34688 * 4 + 1024);
   EXPECT_EQ(bf16, 34688 * 2);
+}
+
+// --layers --width --heads --context replace the named model's shape: the header names the model it built and its
+// exact parameter count (vocab 256: 256w + context w + layers (12w^2 + 13w) + 2w).
+TEST(ShardkitTrain, ShapeFlagsBuildTheModelTheyName) {
+  const auto r = Train({"--model", "tiny", "--layers", "1", "--width", "48", "--heads", "3", "--context", "24", "--steps",
+                        "2", "--ranks", "2", "--sample", "0"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("model tiny --layers 1 --width 48 --heads 3 --context 24 (byte-level GPT, 41,808 parameters: "
+                               "1 layers, width 48, 3 heads, context 24;"));
+  EXPECT_THAT(r.out, HasSubstr("4 sequences x 24 bytes per rank per step = 192 tokens per step"));
+}
+
+std::vector<nlohmann::json> ReadJsonLines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// --log: one JSON object per step with the loss the run reports, the schedule's lr (warmup + cosine), the step's
+// tokens and memory; ddp's parameter and gradient peaks are 4Psi exactly, as in the memory table.
+TEST(ShardkitTrain, MetricsLogHasOneLinePerStep) {
+  const std::string dir = TempDir("log");
+  fs::create_directories(dir);
+  const auto r = Train({"--strategy", "ddp", "--model", "tiny", "--steps", "5", "--ranks", "2", "--batch", "3", "--sample",
+                        "0", "--lr", "0.01", "--log", dir + "/m.jsonl"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto lines = ReadJsonLines(dir + "/m.jsonl");
+  ASSERT_EQ(lines.size(), 5u);
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    const nlohmann::json& j = lines[i];
+    SCOPED_TRACE(j.dump());
+    EXPECT_EQ(j.at("strategy"), "ddp");
+    EXPECT_EQ(j.at("ranks"), 2);
+    EXPECT_EQ(j.at("step"), static_cast<int>(i) + 1);
+    EXPECT_EQ(j.at("steps"), 5);
+    EXPECT_EQ(j.at("tokens"), 3 * 32 * 2);
+    EXPECT_GT(j.at("step_seconds").get<double>(), 0.0);
+    EXPECT_NEAR(j.at("tokens_per_s").get<double>(), 192.0 / j.at("step_seconds").get<double>(), 1e-6 * j.at("tokens_per_s").get<double>());
+    EXPECT_EQ(j.at("memory").at("parameter"), 4 * 34688);
+    EXPECT_EQ(j.at("memory").at("gradient"), 4 * 34688);
+    EXPECT_GT(j.at("memory").at("activation").get<std::int64_t>(), 0);
+  }
+  // Warmup is max(1, min(20, steps / 10)) = 1 step: step 1 at the peak, then cosine down towards 0.1 x peak.
+  EXPECT_DOUBLE_EQ(lines[0].at("lr").get<double>(), 0.01);
+  EXPECT_LT(lines[4].at("lr").get<double>(), lines[1].at("lr").get<double>());
+  EXPECT_GE(lines[4].at("lr").get<double>(), 0.001);
+  char last_loss[32];
+  std::snprintf(last_loss, sizeof last_loss, "%.9g", lines[4].at("loss").get<double>());
+  EXPECT_EQ(last_loss, Field(r.out, "final loss: "));
+  fs::remove_all(dir);
+}
+
+// With --compare every strategy's steps go to the one log, told apart by "strategy".
+TEST(ShardkitTrain, CompareLogsEveryStrategy) {
+  const std::string dir = TempDir("compare_log");
+  fs::create_directories(dir);
+  const auto r = Train({"--compare", "--ranks", "2", "--steps", "2", "--model", "tiny", "--sample", "0", "--svg",
+                        dir + "/chart.svg", "--log", dir + "/m.jsonl"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::vector<std::string> seen;
+  for (const nlohmann::json& j : ReadJsonLines(dir + "/m.jsonl")) seen.push_back(j.at("strategy").get<std::string>() + "/" + std::to_string(j.at("step").get<int>()));
+  EXPECT_THAT(seen, ::testing::ElementsAre("ddp/1", "ddp/2", "oss/1", "oss/2", "sddp/1", "sddp/2", "fsdp/1", "fsdp/2"));
+  fs::remove_all(dir);
+}
+
+// The memory table holds its exact formulas at a 10 M-parameter model too (short context and batch keep it fast),
+// and its figures switch to MiB there.
+TEST(ShardkitTrain, MemoryTableMatchesZeroFormulasAtGpt10m) {
+  for (const std::string strategy : {"ddp", "sddp"}) {
+    SCOPED_TRACE(strategy);
+    const auto r = Train({"--strategy", strategy, "--ranks", "2", "--steps", "1", "--model", "gpt-10m", "--context", "8",
+                          "--batch", "1", "--sample", "0"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_THAT(r.out, HasSubstr("10,528,256 parameters"));
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string row = "\n" + std::to_string(rank) + " +[^\n]*MiB =\\)[^\n]*=\\)[^\n]*=\\)";
+      EXPECT_TRUE(std::regex_search(r.out, std::regex(row))) << "rank " << rank << "\n" << r.out;
+    }
+  }
 }
 
 TEST(ShardkitTrain, CompareWritesTableAndSvg) {

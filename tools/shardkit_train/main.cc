@@ -38,16 +38,20 @@ int fail(const absl::Status& s) {
   return 1;
 }
 
-st::ProgressFn make_progress(bool tty, std::int64_t steps) {
+// Rank 0's view of each step: the progress line (a bar on a terminal, ~15 lines otherwise) and, with --log, a
+// line of the metrics log.
+st::StepObserver make_observer(bool tty, std::int64_t steps, st::MetricsLog* log) {
   const std::int64_t every = std::max<std::int64_t>(1, steps / 15);
-  return [tty, every](std::int64_t step, std::int64_t total, double loss, double tps, double eta) {
+  return [tty, every, log](const st::StepRecord& r) -> absl::Status {
+    const std::string line = st::progress_line(r.step, r.steps, r.loss, r.mean_tokens_per_s, r.eta_seconds, tty);
     if (tty) {
-      std::printf("\r%s\033[K%s", st::progress_line(step, total, loss, tps, eta, true).c_str(), step == total ? "\n" : "");
+      std::printf("\r%s\033[K%s", line.c_str(), r.step == r.steps ? "\n" : "");
       std::fflush(stdout);
-    } else if (step % every == 0 || step == total || step == 1) {
-      std::printf("%s\n", st::progress_line(step, total, loss, tps, eta, false).c_str());
+    } else if (r.step % every == 0 || r.step == r.steps || r.step == 1) {
+      std::printf("%s\n", line.c_str());
       std::fflush(stdout);
     }
+    return log != nullptr ? log->write(r) : absl::OkStatus();
   };
 }
 
@@ -75,7 +79,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  auto model = st::model_size(o.model);
+  auto model = st::model_size(o.model, o.shape);
   if (!model.ok()) return fail(model.status());
   auto corpus = st::load_corpus(o.data, model->config.context);
   if (!corpus.ok()) return fail(corpus.status());
@@ -89,8 +93,14 @@ int main(int argc, char** argv) {
     if (absl::Status s = st::check_resumable(*ck, o, *model, *corpus); !s.ok()) return fail(s);
     resume = std::move(*ck);
   }
+  std::optional<st::MetricsLog> log;
+  if (!o.log.empty() && is_rank0) {
+    auto l = st::MetricsLog::open(o.log);
+    if (!l.ok()) return fail(l.status());
+    log.emplace(std::move(*l));
+  }
   const bool tty = ::isatty(1) == 1;
-  const st::ProgressFn progress = is_rank0 ? make_progress(tty, o.steps) : st::ProgressFn();
+  const st::StepObserver progress = is_rank0 ? make_observer(tty, o.steps, log ? &*log : nullptr) : st::StepObserver();
 
   if (o.compare) {
     std::vector<st::RunResult> results;

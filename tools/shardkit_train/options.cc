@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace shardkit::train {
 
@@ -29,7 +30,10 @@ std::vector<Strategy> available_strategies() {
   return out;
 }
 
-absl::StatusOr<ModelSize> model_size(const std::string& name) {
+namespace {
+
+// The byte-level sizes shardkit-train started with; the rest come from nn::GPTConfig::named.
+absl::StatusOr<nn::GPTConfig> named_config(const std::string& name) {
   nn::GPTConfig c;
   c.vocab_size = 256;
   if (name == "tiny") {
@@ -39,9 +43,46 @@ absl::StatusOr<ModelSize> model_size(const std::string& name) {
   } else if (name == "base") {
     c.context = 128, c.width = 128, c.num_layers = 4, c.num_heads = 4;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("expected --model tiny, small or base, found '", name, "'"));
+    auto named = nn::GPTConfig::named(name);
+    if (!named.ok() || named->vocab_size < 256) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expected --model ", absl::StrJoin(model_names(), ", "), ", found '", name, "'",
+                       named.ok() ? absl::StrCat(" (a vocabulary of ", named->vocab_size, " tokens; bytes need 256)") : ""));
+    }
+    c = *named;
   }
-  return ModelSize{name, c};
+  return c;
+}
+
+}  // namespace
+
+std::vector<std::string> model_names() {
+  std::vector<std::string> out = {"tiny", "small", "base"};
+  for (const std::string& n : nn::GPTConfig::names()) {
+    if (nn::GPTConfig::named(n)->vocab_size >= 256) out.push_back(n);
+  }
+  return out;
+}
+
+absl::StatusOr<ModelSize> model_size(const std::string& name, const ModelShape& shape) {
+  auto c = named_config(name);
+  if (!c.ok()) return c.status();
+  ModelSize m{name, *c};
+  auto apply = [&](const std::optional<std::int64_t>& v, std::int64_t& field, const char* flag) {
+    if (!v) return;
+    field = *v;
+    absl::StrAppend(&m.name, " ", flag, " ", *v);
+  };
+  apply(shape.layers, m.config.num_layers, "--layers");
+  apply(shape.width, m.config.width, "--width");
+  apply(shape.heads, m.config.num_heads, "--heads");
+  apply(shape.context, m.config.context, "--context");
+  const nn::GPTConfig& g = m.config;
+  if (g.width % g.num_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("expected --heads to divide the width ", g.width, ", found ", g.num_heads,
+                                                   " heads (model ", m.name, ")"));
+  }
+  return m;
 }
 
 namespace {
@@ -103,8 +144,21 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
     } else if (flag == "--model") {
       auto v = next();
       if (!v.ok()) return v.status();
-      if (auto m = model_size(*v); !m.ok()) return m.status();
+      if (auto m = named_config(*v); !m.ok()) return m.status();
       o.model = *v;
+    } else if (flag == "--layers") {
+      st = int_flag(o.shape.layers.emplace(), 0, absl::StrCat("a number of layers in [0, ", kMaxLayers, "]"), kMaxLayers);
+    } else if (flag == "--width") {
+      st = int_flag(o.shape.width.emplace(), 1, absl::StrCat("a width in [1, ", kMaxWidth, "]"), kMaxWidth);
+    } else if (flag == "--heads") {
+      st = int_flag(o.shape.heads.emplace(), 1, absl::StrCat("a number of heads in [1, ", kMaxWidth, "]"), kMaxWidth);
+    } else if (flag == "--context") {
+      st = int_flag(o.shape.context.emplace(), 1, absl::StrCat("a context in [1, ", kMaxContext, "] bytes"), kMaxContext);
+    } else if (flag == "--log") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      o.log = *v;
+      if (o.log.empty()) return bad(flag, "a file name", "");
     } else if (flag == "--steps") {
       st = int_flag(o.steps, 1, "a number of steps >= 1");
     } else if (flag == "--batch") {
@@ -152,6 +206,7 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
     }
     if (!st.ok()) return st;
   }
+  if (auto m = model_size(o.model, o.shape); !m.ok()) return m.status();
   if (o.resume && o.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError("expected --checkpoint-dir with --resume, found none");
   }
@@ -166,8 +221,13 @@ std::string usage() {
       "Trains a byte-level GPT on N ranks and shows per-rank memory and communication.\n"
       "  --strategy ", strategies, "   sharding strategy (default oss)\n"
       "  --ranks N               simulated ranks as threads (default 4); under shardrun: one rank per process\n"
-      "  --model tiny|small|base model size (default small): byte-level GPTs of 34,688 / 120,576 / 842,496\n"
-      "                          parameters (2 layers width 32 / 2 layers width 64 / 4 layers width 128)\n"
+      "  --model NAME            model size (default small); bytes are the tokens:\n"
+      "                            tiny / small / base: 34,688 / 120,576 / 842,496 parameters (vocab 256,\n"
+      "                            2 layers width 32 / 2 layers width 64 / 4 layers width 128)\n"
+      "                            gpt-1m / gpt-10m / gpt-100m: the benchmarks' sizes (867,072 / 10,558,976 / 98,032,128)\n"
+      "                            gpt2-small: GPT-2 small's shape, 124,439,808 parameters (context 1024)\n"
+      "  --layers N --width N --heads N --context N\n"
+      "                          replace that part of --model's shape (heads must divide the width)\n"
       "  --steps N               optimizer steps (default 300)\n"
       "  --batch N               sequences per rank per step (default 4, at most ", kMaxBatch, ")\n"
       "  --lr X                  peak learning rate, warmup + cosine (default 3e-3)\n"
@@ -177,6 +237,7 @@ std::string usage() {
       "  --checkpoint-dir DIR    write DIR/checkpoint.skck every --checkpoint-every steps (default 50) and at the end\n"
       "  --resume                continue from DIR/checkpoint.skck\n"
       "  --compare               run every strategy on the same model and data; table + SVG (--svg FILE)\n"
+      "  --log FILE.jsonl        one JSON object per step: step, loss, lr, tokens/s, seconds, memory by category\n"
       "  --sample N              bytes of generated text to print at the end (default 160)\n");
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,22 +23,42 @@ std::string strategy_name(Strategy s);
 std::vector<Strategy> available_strategies();
 
 struct ModelSize {
-  std::string name;  // tiny, small, base
+  std::string name;  // the --model name, followed by the shape flags that changed it ("small --layers 4")
   nn::GPTConfig config;
 };
-// tiny / small / base: byte-level GPTs (vocab 256). NotFound-style InvalidArgument for another name.
-absl::StatusOr<ModelSize> model_size(const std::string& name);
 
-// The largest --batch (sequences per rank per step). With the largest context (128) and --ranks (64, or
-// WORLD_SIZE, an int), batch x context x world stays far below INT64_MAX, so token counts never overflow;
-// the activations of a batch this size (8M tokens per rank for model base) are already more than a
-// machine of this project's kind holds.
+// The shape flags: each replaces one field of the named --model's config; unset keeps the named value.
+struct ModelShape {
+  std::optional<std::int64_t> layers, width, heads, context;
+};
+
+// The --model names: tiny / small / base (vocab 256, made for bytes) and nn::GPTConfig's named configs whose
+// vocabulary holds every byte (gpt-1m, gpt-10m, gpt-100m, gpt2-small: GPT-2 small's shape, 124,439,808
+// parameters); their unused token rows are trained like the others. gpt-10k / gpt-100k (vocab 64 / 128) are
+// refused: bytes need 256 tokens.
+std::vector<std::string> model_names();
+
+// The named config with `shape` applied, checked: heads divide width, each flag within its limit below.
+// InvalidArgument naming the flag otherwise.
+absl::StatusOr<ModelSize> model_size(const std::string& name, const ModelShape& shape);
+
+// Limits of the shape flags. They keep every count in int64 (batch x context x world <= 2^16 x 2^14 x 2^31),
+// not a promise that such a model fits in memory: a model's bytes are printed before it is built.
+inline constexpr std::int64_t kMaxLayers = 1024;
+inline constexpr std::int64_t kMaxWidth = 65536;
+inline constexpr std::int64_t kMaxContext = 16384;
+
+// The largest --batch (sequences per rank per step). With the largest context (kMaxContext) and --ranks (64,
+// or WORLD_SIZE, an int), batch x context x world stays far below INT64_MAX, so token counts never overflow;
+// the activations of a batch this size are already far more than a machine of this project's kind holds.
 inline constexpr std::int64_t kMaxBatch = 65536;
 
 struct Options {
   Strategy strategy = Strategy::oss;
   int ranks = 4;              // simulated ranks (threads); WORLD_SIZE when started by shardrun
   std::string model = "small";
+  ModelShape shape;           // --layers --width --heads --context
+  std::string log;            // --log FILE.jsonl: one JSON object per step (Note [metrics log]); empty: none
   std::int64_t steps = 300;
   std::int64_t batch = 4;     // sequences per rank per step, in [1, kMaxBatch]
   double lr = 3e-3;

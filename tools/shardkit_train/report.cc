@@ -16,9 +16,22 @@ constexpr MemoryCategory kCategories[] = {MemoryCategory::parameter, MemoryCateg
                                          MemoryCategory::communication_buffer, MemoryCategory::other};
 constexpr const char* kShortName[] = {"param", "grad", "optim", "activ", "comm", "other"};
 
-std::string kb(std::int64_t bytes) {
+// A byte count in the unit that keeps it short at every model size: KiB below 10 MiB, MiB below 10 GiB, GiB
+// above (tables stay aligned from 35 k to 124 M parameters). Exact comparisons use the raw counts.
+struct ByteUnit {
+  const char* name;
+  double size;
+};
+ByteUnit unit_for(std::int64_t bytes) {
+  if (bytes < (std::int64_t{10} << 20)) return {"KiB", 1024.0};
+  if (bytes < (std::int64_t{10} << 30)) return {"MiB", 1024.0 * 1024.0};
+  return {"GiB", 1024.0 * 1024.0 * 1024.0};
+}
+
+std::string human_bytes(std::int64_t bytes) {
   if (bytes < 0) return "-";
-  return absl::StrFormat("%.1f KiB", static_cast<double>(bytes) / 1024.0);
+  const ByteUnit u = unit_for(bytes);
+  return absl::StrFormat("%.1f %s", static_cast<double>(bytes) / u.size, u.name);
 }
 
 std::string printable(const std::string& s) {
@@ -80,7 +93,8 @@ std::string run_header(const Options& o, Strategy strategy, const ModelSize& mod
   const nn::GPTConfig& c = model.config;
   return absl::StrCat(
       "shardkit-train: model ", model.name, " (byte-level GPT, ", with_commas(c.num_parameters()), " parameters: ",
-      c.num_layers, " layers, width ", c.width, ", ", c.num_heads, " heads, context ", c.context, ")\n",
+      c.num_layers, " layers, width ", c.width, ", ", c.num_heads, " heads, context ", c.context, "; fp32 AdamW model state ",
+      human_bytes(16 * c.num_parameters()), " unsharded)\n",
       "  strategy ", strategy_name(strategy), " on ", world, " ranks (", backend, "), ",
       o.precision == Precision::bf16 ? "bf16 communication" : "fp32", ", AdamW lr ", absl::StrFormat("%g", o.lr),
       " (warmup + cosine), seed ", o.seed, "\n",
@@ -134,7 +148,7 @@ std::string run_report(const Options& o, const RunResult& r) {
       break;
   }
   absl::StrAppend(&out, ")\n");
-  absl::StrAppend(&out, absl::StrFormat("%-5s %-23s %-23s %-23s %12s %12s %12s\n", "rank", "parameter (formula)",
+  absl::StrAppend(&out, absl::StrFormat("%-5s %-26s %-26s %-26s %12s %12s %12s\n", "rank", "parameter (formula)",
                                         "gradient (formula)", "optimizer (formula)", "activation", "comm buffer", "other"));
   for (int rk = 0; rk < n; ++rk) {
     const RankStats& s = r.ranks[static_cast<std::size_t>(rk)];
@@ -142,12 +156,12 @@ std::string run_report(const Options& o, const RunResult& r) {
     for (int c = 0; c < 3; ++c) {
       const Expected e = expected_bytes(r.strategy, kCategories[c], psi, n, s.owned_numel);
       const std::int64_t got = peak_of(s, kCategories[c]);
-      cells[c] = absl::StrCat(kb(got), " (", kb(e.bytes), got == e.bytes ? " =" : "", ")");
+      cells[c] = absl::StrCat(human_bytes(got), " (", human_bytes(e.bytes), got == e.bytes ? " =" : "", ")");
     }
-    absl::StrAppend(&out, absl::StrFormat("%-5d %-23s %-23s %-23s %12s %12s %12s\n", rk, cells[0], cells[1], cells[2],
-                                          kb(peak_of(s, MemoryCategory::activation)),
-                                          kb(peak_of(s, MemoryCategory::communication_buffer)),
-                                          kb(peak_of(s, MemoryCategory::other))));
+    absl::StrAppend(&out, absl::StrFormat("%-5d %-26s %-26s %-26s %12s %12s %12s\n", rk, cells[0], cells[1], cells[2],
+                                          human_bytes(peak_of(s, MemoryCategory::activation)),
+                                          human_bytes(peak_of(s, MemoryCategory::communication_buffer)),
+                                          human_bytes(peak_of(s, MemoryCategory::other))));
   }
   absl::StrAppend(&out, "  (x (y =): measured x, formula y, exactly equal; owned = elements of optimizer state on the rank)\n");
   absl::StrAppend(&out, "\ncommunication per step (bytes sent per rank, ProcessGroup counters):");
@@ -174,8 +188,8 @@ std::string compare_table(const std::vector<RunResult>& results) {
     std::int64_t total = 0;
     for (std::int64_t v : mx) total += v;
     absl::StrAppend(&out, absl::StrFormat("%-9s %9.3f %11s %11s %11s %12s %11s %11s %11s %11s %15s %10.4f\n", strategy_name(r.strategy),
-                                          r.seconds_per_step, kb(mx[0]), kb(mx[1]), kb(mx[2]), kb(mx[0] + mx[1] + mx[2]), kb(mx[3]),
-                                          kb(mx[4]), kb(mx[5]), kb(total), with_commas(sent), r.losses.empty() ? 0.0 : r.losses.back()));
+                                          r.seconds_per_step, human_bytes(mx[0]), human_bytes(mx[1]), human_bytes(mx[2]), human_bytes(mx[0] + mx[1] + mx[2]), human_bytes(mx[3]),
+                                          human_bytes(mx[4]), human_bytes(mx[5]), human_bytes(total), with_commas(sent), r.losses.empty() ? 0.0 : r.losses.back()));
   }
   absl::StrAppend(&out, "(memory: the largest per-rank peak of each ledger category during a step; model state = param + grad + optim,\n"
                         " what the ZeRO formulas cover; sum = sum of the category peaks; sent: bytes per rank per step, largest rank)\n");
@@ -200,7 +214,8 @@ absl::Status write_compare_svg(const std::string& path, const std::vector<RunRes
       ++bars;
     }
   }
-  absl::StrAppend(&s, absl::StrFormat("<text x=\"%.0f\" y=\"25\" font-size=\"15\">Peak memory per rank by ledger category (KiB)</text>\n", lx0));
+  const ByteUnit axis = unit_for(max_total);
+  absl::StrAppend(&s, absl::StrFormat("<text x=\"%.0f\" y=\"25\" font-size=\"15\">Peak memory per rank by ledger category (%s)</text>\n", lx0, axis.name));
   const double slot = (lx1 - lx0) / (bars + static_cast<double>(results.size()));
   double x = lx0 + slot / 2;
   for (const RunResult& r : results) {
@@ -212,7 +227,7 @@ absl::Status write_compare_svg(const std::string& path, const std::vector<RunRes
         y -= h;
         absl::StrAppend(&s, absl::StrFormat("<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\"><title>%s rank %d %s: %s</title></rect>\n",
                                             x, y, slot * 0.85, h, kColors[c], strategy_name(r.strategy), rk, kShortName[c],
-                                            kb(r.ranks[rk].peak[static_cast<std::size_t>(c)])));
+                                            human_bytes(r.ranks[rk].peak[static_cast<std::size_t>(c)])));
       }
       x += slot;
     }
@@ -223,7 +238,7 @@ absl::Status write_compare_svg(const std::string& path, const std::vector<RunRes
   for (int i = 0; i <= 4; ++i) {
     const double y = bottom - (bottom - top) * i / 4.0;
     absl::StrAppend(&s, absl::StrFormat("<line x1=\"%.0f\" x2=\"%.0f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"#ccc\"/><text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%.0f</text>\n",
-                                        lx0 - 4, lx1, y, y, lx0 - 6, y + 4, static_cast<double>(max_total) * i / 4.0 / 1024.0));
+                                        lx0 - 4, lx1, y, y, lx0 - 6, y + 4, static_cast<double>(max_total) * i / 4.0 / axis.size));
   }
   for (int c = 0; c < kNumMemoryCategories; ++c) {
     absl::StrAppend(&s, absl::StrFormat("<rect x=\"%.0f\" y=\"%.0f\" width=\"10\" height=\"10\" fill=\"%s\"/><text x=\"%.0f\" y=\"%.0f\">%s</text>\n",

@@ -6,15 +6,13 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
-#include <mutex>
-#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/autograd/engine.h"
 #include "common/autograd/grad_mode.h"
-#include "common/comm/in_process_group.h"
+#include "common/comm/run_ranks.h"
 #include "common/comm/init_from_env.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
@@ -348,10 +346,10 @@ std::string last_checkpoint_clause(const Options& o, std::int64_t last_checkpoin
 
 // The per-rank loop (same code for threads and processes).
 absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy strategy, const Corpus& corpus,
-                                                    const Checkpoint* resume, const ProgressFn& progress,
+                                                    const Checkpoint* resume, const StepObserver& observe,
                                                     std::shared_ptr<comm::ProcessGroup> pg) {
   const int rank = pg->rank(), world = pg->size();
-  auto size = model_size(o.model);
+  auto size = model_size(o.model, o.shape);
   if (!size.ok()) return size.status();
   const nn::GPTConfig cfg = size->config;
   MemoryTracker& ledger = *current_rank_context().memory;
@@ -388,7 +386,8 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
 
   for (std::int64_t step = start; step < o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    (*runner)->set_lr(o.lr * optim::warmup_cosine_factor(step, warmup, o.steps, 0.1));
+    const double lr = o.lr * optim::warmup_cosine_factor(step, warmup, o.steps, 0.1);
+    (*runner)->set_lr(lr);
     ledger.reset_peaks();
     const comm::CommCounters c0 = pg->counters();
     auto [x, y] = batch(corpus, o.seed, step, rank, world, o.batch, cfg.context);
@@ -425,11 +424,14 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     if (step > start || o.steps - start == 1) step_seconds_sum += dt;
 
     res.losses.push_back(mean_loss);
-    if (rank == 0 && progress) {
+    if (rank == 0 && observe) {
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
       const double done = static_cast<double>(step + 1 - start);
-      progress(step + 1, o.steps, res.losses.back(), done * static_cast<double>(res.tokens_per_step) / elapsed,
-               elapsed / done * static_cast<double>(o.steps - step - 1));
+      StepRecord rec{.strategy = strategy, .ranks = world, .step = step + 1, .steps = o.steps, .loss = mean_loss, .lr = lr,
+                     .tokens = res.tokens_per_step, .step_seconds = dt, .elapsed_seconds = elapsed,
+                     .mean_tokens_per_s = done * static_cast<double>(res.tokens_per_step) / elapsed,
+                     .eta_seconds = elapsed / done * static_cast<double>(o.steps - step - 1), .memory_peak = snap.peak};
+      SKT_RETURN_IF_ERROR(observe(rec));
     }
     if (!o.checkpoint_dir.empty() && ((step + 1) % o.checkpoint_every == 0 || step + 1 == o.steps)) {
       auto state = (*runner)->full_state();
@@ -438,7 +440,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
       absl::Status finite;  // rank 0: whether every value of the checkpoint is finite
       if (rank == 0) {
         Checkpoint ck;
-        ck.meta = {{"model", o.model},
+        ck.meta = {{"model", size->name},
                    {"model.vocab", std::to_string(cfg.vocab_size)},
                    {"model.context", std::to_string(cfg.context)},
                    {"model.width", std::to_string(cfg.width)},
@@ -549,52 +551,25 @@ absl::Status check_resumable(const Checkpoint& ck, const Options& o, const Model
 }
 
 absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const Corpus& corpus, const Checkpoint* resume,
-                                      const ProgressFn& progress) {
-  const int n = o.ranks;
-  auto world = comm::InProcessWorld::create(n, {.default_timeout = absl::Minutes(2)});
-  std::vector<absl::Status> status(static_cast<std::size_t>(n));
+                                      const StepObserver& observe) {
   std::optional<RunResult> result;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      RankContext ctx;
-      ctx.rank = r;
-      ctx.world_size = n;
-      ctx.generator = Generator(o.seed).fork(static_cast<std::uint64_t>(r));
-      absl::Status st;
-      {
-        RankContextScope scope(ctx);
-        try {
-          auto res = train_rank(o, strategy, corpus, resume, progress, world->group(r));
-          if (!res.ok()) st = res.status();
-          else if (res->has_value()) result = std::move(*res);
-        } catch (...) {
-          st = status_of_exception(std::current_exception());
-        }
-      }
-      if (!st.ok()) world->abort(absl::Status(st.code(), absl::StrCat("rank ", r, ": ", st.message())));
-      world->mark_departed(r);
-      status[static_cast<std::size_t>(r)] = st;
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (!world->status().ok()) {
-    // The origin of the failure, not the aborts it caused on the other ranks.
-    for (const absl::Status& s : status) {
-      if (!s.ok() && s.code() != absl::StatusCode::kAborted) return s;
-    }
-    return world->status();
-  }
-  for (const absl::Status& s : status) {
-    if (!s.ok()) return s;
-  }
+  const absl::Status st = comm::run_ranks(
+      o.ranks,
+      [&](comm::ThreadRankEnv& env) -> absl::Status {
+        auto res = train_rank(o, strategy, corpus, resume, observe, env.group);
+        if (!res.ok()) return res.status();
+        if (res->has_value()) result = std::move(*res);
+        return absl::OkStatus();
+      },
+      {.timeout = absl::Minutes(2), .seed = o.seed});
+  if (!st.ok()) return st;
   if (!result) return absl::InternalError("rank 0 returned no result");
-  result->backend = absl::StrCat(n, " threads (in-process)");
+  result->backend = absl::StrCat(o.ranks, " threads (in-process)");
   return std::move(*result);
 }
 
 absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy strategy, const Corpus& corpus,
-                                                     const Checkpoint* resume, const ProgressFn& progress) {
+                                                     const Checkpoint* resume, const StepObserver& observe) {
   auto pg = comm::init_from_env();
   if (!pg.ok()) return pg.status();
   RankContext& ctx = current_rank_context();
@@ -603,7 +578,7 @@ absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy 
   ctx.generator = Generator(o.seed).fork(static_cast<std::uint64_t>(ctx.rank));
   absl::StatusOr<std::optional<RunResult>> res;
   try {
-    res = train_rank(o, strategy, corpus, resume, progress, *pg);
+    res = train_rank(o, strategy, corpus, resume, observe, *pg);
   } catch (...) {
     res = status_of_exception(std::current_exception());
   }

@@ -47,6 +47,7 @@
 #include "common/tensor/memory_tracker.h"
 #include "tools/shardkit_train/checkpoint.h"
 #include "tools/shardkit_train/corpus.h"
+#include "tools/shardkit_train/metrics_log.h"
 #include "tools/shardkit_train/options.h"
 
 namespace shardkit::train {
@@ -72,17 +73,17 @@ struct RunResult {
   std::string backend;                  // "in-process threads" / "tcp"
 };
 
-// Called on rank 0 after each step: step (1-based), total steps, loss, tokens/s, seconds left.
-using ProgressFn = std::function<void(std::int64_t step, std::int64_t total, double loss, double tokens_per_s, double eta_s)>;
+// Called on rank 0 after each step (the progress line, the --log file). An error stops the run on every rank.
+using StepObserver = std::function<absl::Status(const StepRecord&)>;
 
 // Checks that a checkpoint fits this run (model config, data, seed); the one-line error otherwise.
 absl::Status check_resumable(const Checkpoint& ckpt, const Options& options, const ModelSize& model, const Corpus& corpus);
 
 absl::StatusOr<RunResult> run_threads(const Options& options, Strategy strategy, const Corpus& corpus,
-                                      const Checkpoint* resume, const ProgressFn& progress);
+                                      const Checkpoint* resume, const StepObserver& observe);
 // This process is one rank (RANK / WORLD_SIZE set by shardrun). Rank 0 gets the full result; others an
 // empty one (nullopt).
 absl::StatusOr<std::optional<RunResult>> run_process(const Options& options, Strategy strategy, const Corpus& corpus,
-                                                     const Checkpoint* resume, const ProgressFn& progress);
+                                                     const Checkpoint* resume, const StepObserver& observe);
 
 }  // namespace shardkit::train

@@ -43,7 +43,8 @@ TEST(ModuleTest, GptNamesAndTiedParameterListedOnce) {
 
 TEST(ModuleTest, NamedConfigsHaveTheDocumentedSizes) {
   const std::vector<std::pair<std::string, std::int64_t>> expected = {
-      {"gpt-10k", 11152}, {"gpt-100k", 92592}, {"gpt-1m", 867072}, {"gpt-10m", 10558976}, {"gpt-100m", 98032128}};
+      {"gpt-10k", 11152}, {"gpt-100k", 92592}, {"gpt-1m", 867072}, {"gpt-10m", 10558976}, {"gpt-100m", 98032128},
+      {"gpt2-small", 124439808}};
   EXPECT_EQ(GPTConfig::names().size(), expected.size());
   for (const auto& [name, n] : expected) {
     auto c = GPTConfig::named(name);
