@@ -9,7 +9,8 @@
 // data) on every rank:
 //   oss_greedy / oss_flat     DistributedDataParallel + oss::Oss (ZeRO-1)
 //   sddp_greedy / sddp_flat   ShardedDataParallel + oss::Oss (ZeRO-2: reduce to owner / reduce-scatter)
-//   fsdp                      fsdp::FullyShardedModel, every TransformerBlock a unit, AdamW on the shards
+//   fsdp                      fsdp::fully_shard, nested units (every MLP, every TransformerBlock, the root),
+//                             AdamW over model.parameters() (the shards); no prefetch yet
 //                             (ZeRO-3)
 // The reported time is the strategy's step (rank 0's wall time; every rank is synchronised by the
 // collectives); counters:
@@ -84,8 +85,7 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
     std::unique_ptr<optim::Optimizer> ddp_opt;
     std::unique_ptr<oss::Oss> oss_opt;
     std::unique_ptr<sddp::DataParallel> ddp_wrap, oss_wrap;
-    std::unique_ptr<fsdp::FullyShardedModel> fsdp_model;
-    std::unique_ptr<optim::Optimizer> fsdp_opt;
+    std::unique_ptr<optim::Optimizer> fsdp_opt;  // over the shards (oss_model.parameters() after fully_shard)
     {
       RankContextScope scope(ddp_ctx);
       MemoryCategoryScope params(MemoryCategory::parameter);
@@ -100,14 +100,18 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
       MemoryCategoryScope params(MemoryCategory::parameter);
       oss_model = std::make_unique<nn::GPT>(config, 1);
     }
+    psi = oss_model->num_parameters();  // (after fully_shard, parameters() are the shards)
     if (strategy == Strategy::fsdp) {
       RankContextScope scope(oss_ctx);
-      auto f = fsdp::FullyShardedModel::create(*oss_model, env.group_ptr,
-                                               {.units = fsdp::modules_of_type(*oss_model, "TransformerBlock")});
-      if (!f.ok()) return f.status();
-      fsdp_model = std::move(*f);
+      // Nested units, bottom-up: every block's MLP, every block, then the root.
+      for (const char* type : {"MLP", "TransformerBlock"}) {
+        for (nn::Module* m : fsdp::modules_of_type(*oss_model, type)) {
+          if (auto u = fsdp::fully_shard(*m, env.group_ptr); !u.ok()) return u.status();
+        }
+      }
+      if (auto root = fsdp::fully_shard(*oss_model, env.group_ptr); !root.ok()) return root.status();
       MemoryCategoryScope cat(MemoryCategory::optimizer_state);
-      auto o = optim::AdamW::factory()({{fsdp_model->parameters(), optim::AdamW::default_hyper()}});
+      auto o = optim::AdamW::factory()({{oss_model->parameters(), optim::AdamW::default_hyper()}});
       if (!o.ok()) return o.status();
       fsdp_opt = std::move(*o);
     } else {
@@ -128,7 +132,6 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
         oss_wrap = std::move(*w);
       }
     }
-    psi = oss_model->num_parameters();
     // Rank 0 drives the benchmark loop; a broadcast flag tells the others whether another step follows.
     Tensor go = Tensor::zeros({1}, TensorOptions{}.with_dtype(DType::i64));
     auto more = [&](bool value) -> absl::StatusOr<bool> {
@@ -149,7 +152,7 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
       if (absl::Status s = env.group.barrier()->wait(); !s.ok()) return s;
       auto t1 = clock::now();
       const std::int64_t sent_before = env.group.counters().total_sent();
-      if (fsdp_model) {
+      if (fsdp_opt) {
         RankContextScope scope(oss_ctx);
         auto [x, y] = Batch(config, env.rank, step);
         fsdp_opt->zero_grad();

@@ -1,4 +1,5 @@
-// A minimal fully sharded (ZeRO-3) training loop: 4 ranks as threads. Every TransformerBlock is a unit whose
+// A minimal fully sharded (ZeRO-3) training loop, FSDP2's shape: 4 ranks as threads. fully_shard makes every
+// TransformerBlock a unit (bottom-up), then the whole model (the root: embeddings, final norm). A unit's
 // parameters are all-gathered just before its forward and its backward and released after; gradients are
 // reduce-scattered so each rank keeps 1/4 of the parameters, gradients and AdamW state at rest.
 // Run: build/examples/fsdp_train
@@ -26,10 +27,12 @@ int main() {
 
     nn::GPT model(config, /*seed=*/1);
     const std::int64_t psi = model.num_parameters();
-    auto fs = fsdp::FullyShardedModel::create(model, pg, {.units = fsdp::modules_of_type(model, "TransformerBlock")});
-    if (!fs.ok()) return fs.status();
-    // The optimizer steps this rank's shards, not model.parameters() (released at rest).
-    auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+    for (nn::Module* block : fsdp::modules_of_type(model, "TransformerBlock")) {
+      if (auto unit = fsdp::fully_shard(*block, pg); !unit.ok()) return unit.status();
+    }
+    if (auto root = fsdp::fully_shard(model, pg); !root.ok()) return root.status();
+    // At rest model.parameters() are this rank's shards: the optimizer steps them like any parameters.
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
     if (!opt.ok()) return opt.status();
 
     for (int step = 0; step < kSteps; ++step) {

@@ -102,15 +102,19 @@ absl::StatusOr<RankResult> train_rank(Strategy strategy, comm::ThreadRankEnv& en
 
 #if SHARDKIT_EXAMPLE_FSDP
   if (strategy == Strategy::fsdp) {
-    // Each hidden Linear is a unit (gathered around its forward and its backward); the root keeps the head.
-    auto fs = fsdp::FullyShardedModel::create(model, pg, {.units = {model.fc1.get(), model.fc2.get()}});
-    if (!fs.ok()) return fs.status();
-    auto opt = optim::AdamW::factory()({{(*fs)->parameters(), hyper}});  // steps this rank's shards
+    // Each layer is a unit (gathered around its forward and its backward), then the model: its root.
+    for (nn::Module* layer : {static_cast<nn::Module*>(model.fc1.get()), static_cast<nn::Module*>(model.fc2.get()),
+                              static_cast<nn::Module*>(model.head.get())}) {
+      if (auto unit = fsdp::fully_shard(*layer, pg); !unit.ok()) return unit.status();
+    }
+    auto root = fsdp::fully_shard(model, pg);
+    if (!root.ok()) return root.status();
+    auto opt = optim::AdamW::factory()({{model.parameters(), hyper}});  // at rest: this rank's shards
     if (!opt.ok()) return opt.status();
     if (absl::Status s = train(**opt, model, env.rank, env.world_size, result.losses); !s.ok()) return s;
-    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;  // the full parameters, back in the model
+    if (absl::Status s = root->summon_full_params(); !s.ok()) return s;  // the full parameters, back in the model
     result.params = values(model);
-    (*fs)->reshard();
+    if (absl::Status s = root->reshard(/*recurse=*/true); !s.ok()) return s;
     return result;
   }
 #endif

@@ -140,6 +140,7 @@ class ModuleList : public Module {
   }
   std::size_t size() const { return named_children().size(); }
   const std::shared_ptr<Module>& operator[](std::size_t i) const { return named_children().at(i).second; }
+  bool has_forward() const override { return false; }
 };
 
 }  // namespace shardkit::nn

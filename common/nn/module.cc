@@ -111,6 +111,23 @@ std::shared_ptr<Module> Module::child(const std::string& name) const {
   return nullptr;
 }
 
+void Module::set_attachment(const std::string& key, std::shared_ptr<Attachment> value) {
+  for (auto& [k, v] : attachments_) {
+    if (k == key) {
+      v = std::move(value);
+      return;
+    }
+  }
+  attachments_.emplace_back(key, std::move(value));
+}
+
+Module::Attachment* Module::attachment(const std::string& key) const {
+  for (const auto& [k, v] : attachments_) {
+    if (k == key) return v.get();
+  }
+  return nullptr;
+}
+
 void Module::replace_parameter(const std::string& name, Tensor t) {
   for (auto& [n, p] : params_) {
     if (n == name) {

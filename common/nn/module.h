@@ -139,6 +139,20 @@ class Module {
   HookHandle register_forward_pre_hook(ForwardPreHook hook);
   HookHandle register_forward_hook(ForwardHook hook);
 
+  // False for containers that only hold children and are never called themselves (ModuleList): a
+  // composable API that hooks a module's forward (fsdp::fully_shard) refuses them.
+  virtual bool has_forward() const { return true; }
+
+  // ---- attached state (composable APIs) --------------------------------------------------------
+  // A composable API applied to this module (fsdp::fully_shard) keeps its per-module state here, owned by
+  // the module and destroyed with it (its hooks with it). One slot per key; set_attachment replaces.
+  struct Attachment {
+    virtual ~Attachment() = default;
+  };
+  void set_attachment(const std::string& key, std::shared_ptr<Attachment> value);
+  // The attachment under `key`, or nullptr.
+  Attachment* attachment(const std::string& key) const;
+
  protected:
   virtual Tensor forward(const Tensor& x);
   virtual TensorList forward_list(const TensorList& inputs);
@@ -155,6 +169,7 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   std::shared_ptr<autograd::HookList<ForwardPreHook>> pre_hooks_;
   std::shared_ptr<autograd::HookList<ForwardHook>> post_hooks_;
+  std::vector<std::pair<std::string, std::shared_ptr<Attachment>>> attachments_;
 };
 
 }  // namespace shardkit::nn

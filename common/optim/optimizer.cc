@@ -100,8 +100,8 @@ absl::Status Optimizer::check_step() const {
       if (!p.storage_released()) continue;
       return absl::FailedPreconditionError(absl::StrCat(
           name_, " step: param group ", g, ", parameter ", j, ": expected a parameter with live storage, found ", p.describe(),
-          " (the module parameters of an fsdp::FullyShardedModel are released at rest: build the optimizer "
-          "from its parameters())"));
+          " (fsdp::fully_shard releases the parameters it takes over: build the optimizer from "
+          "model.parameters() after fully_shard, which are the shards)"));
     }
   }
   return absl::OkStatus();

@@ -9,14 +9,14 @@
 // the elements: see fused_kernels.h). Gradients may be f32, bf16 or f16 whatever the parameter's dtype;
 // they are read in fp32. It returns a Status (Note [training step contract]): InvalidArgument when a group's
 // hyper-parameters were set out of range (mutable_hyper), FailedPrecondition when a parameter's storage is
-// released (typically: the optimizer was built over the module parameters of an fsdp::FullyShardedModel,
-// which are released at rest); both are checked before anything is updated, so an error steps nothing.
+// released (typically: the optimizer was built from model.parameters() before fsdp::fully_shard, which
+// releases the tensors it takes over); both are checked before anything is updated, so an error steps nothing.
 // A grad whose element count differs from its parameter's is a broken invariant (InternalError).
 // Parameters and grads must be CPU tensors (CUDA kernels are not written yet).
 //
 // Note [training step contract]
 // Every strategy's training loop is the same three lines, on the object that owns the step: the plain
-// Optimizer (no sharding, DistributedDataParallel, fsdp::FullyShardedModel over its parameters()) or the
+// Optimizer (no sharding, DistributedDataParallel, fsdp::fully_shard: over model.parameters(), the shards) or the
 // oss::Oss (ZeRO-1, and ZeRO-2 with sddp::ShardedDataParallel):
 //
 //   opt->zero_grad();
@@ -25,7 +25,7 @@
 //
 //   * zero_grad(set_to_none = true) drops (or zeroes) the gradient of every parameter the object holds
 //     (the Oss: all of them, owned or not, and the slices ShardedDataParallel delivered to it). It is the
-//     only zeroing call: the wrappers (sddp::DataParallel, fsdp::FullyShardedModel) have none, and keep no
+//     only zeroing call: the wrappers (sddp::DataParallel, fsdp::fully_shard's units) have none, and keep no
 //     gradient of their own after a synchronised backward (ShardedDataParallel hands the reduced slices
 //     over to the Oss: Note [delivered gradient slices] in oss/oss.h).
 //   * step() returns absl::Status: errors from input or from other ranks (a hyper-parameter set out of

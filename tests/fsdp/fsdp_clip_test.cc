@@ -1,10 +1,11 @@
-// FullyShardedModel::clip_grad_norm: the global norm of the sharded gradients, and clipping that scales the
-// shards' gradients (what the optimizer over parameters() steps).
+// fsdp::clip_grad_norm: the global norm of the sharded gradients, and clipping that scales the shards' gradients
+// (what an optimizer over model.parameters() steps), with units per block or nested (per block and per MLP).
 #include "absl/strings/str_cat.h"
 #include "common/optim/clip_grad.h"
 #include "common/optim/sgd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "fsdp/clip_grad.h"
 #include "tests/fsdp/fsdp_test_util.h"
 
 namespace shardkit::fsdp {
@@ -19,32 +20,31 @@ constexpr double kMaxNorm = 0.05;
 // SGD with momentum: its update is proportional to the gradient, so a clip that scales nothing shows.
 optim::OptimizerFactory ClipSgd() { return optim::Sgd::factory({.lr = 0.1, .momentum = 0.9}); }
 
-class FsdpClip : public ::testing::TestWithParam<int> {};
+class FsdpClip : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 TEST_P(FsdpClip, ClippedTrainingEqualsSingleRankClippedTraining) {
-  const int world = GetParam();
+  const auto [world, nested] = GetParam();
   static const auto want = gpt_tiny::Reference(12, -1, ClipSgd(), kMaxNorm);
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env);
-    if (!fs.ok()) return fs.status();
-    auto opt = ClipSgd()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+    if (absl::Status s = test_util::ShardGpt(model, env, {}, nested); !s.ok()) return s;
+    auto opt = ClipSgd()({{model.parameters(), optim::AdamW::default_hyper()}});
     if (!opt.ok()) return opt.status();
     const int rows = kBatch / world;
     for (int step = 0; step < 12; ++step) {
       auto [x, y] = Batch(step, env.rank * rows, rows);
       (*opt)->zero_grad();
       if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
-      absl::StatusOr<double> before = (*fs)->clip_grad_norm(kMaxNorm);
+      absl::StatusOr<double> before = clip_grad_norm(model, kMaxNorm);
       if (!before.ok()) return before.status();
       EXPECT_GT(*before, 2 * kMaxNorm) << "step " << step << ": the test needs clipping to act";
-      absl::StatusOr<double> after = (*fs)->clip_grad_norm(kMaxNorm);
+      absl::StatusOr<double> after = clip_grad_norm(model, kMaxNorm);
       if (!after.ok()) return after.status();
       EXPECT_LE(*after, kMaxNorm * (1 + 1e-5)) << "step " << step;
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(**fs, model);
+    auto values = test_util::FullValues(model);
     if (!values.ok()) return values.status();
     got[static_cast<std::size_t>(env.rank)] = *std::move(values);
     return absl::OkStatus();
@@ -53,15 +53,18 @@ TEST_P(FsdpClip, ClippedTrainingEqualsSingleRankClippedTraining) {
   gpt_tiny::ExpectMatches(got, want, 2e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, FsdpClip, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) { return absl::StrCat("n", info.param); });
+INSTANTIATE_TEST_SUITE_P(Ranks, FsdpClip, ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Bool()),
+                         [](const auto& info) {
+                           return absl::StrCat(std::get<1>(info.param) ? "nested_" : "", "n", std::get<0>(info.param));
+                         });
 
 TEST(FsdpClipTest, RejectsOtherNorms) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env);
-    if (!fs.ok()) return fs.status();
-    EXPECT_EQ((*fs)->clip_grad_norm(1.0, 1.0).status().message(),
+    EXPECT_THAT(std::string(clip_grad_norm(model, 1.0).status().message()),
+                ::testing::HasSubstr("was not sharded by fully_shard"));
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    EXPECT_EQ(clip_grad_norm(model, 1.0, 1.0).status().message(),
               "clip_grad_norm: expected norm_type 2 or inf, found 1");
     return absl::OkStatus();
   });

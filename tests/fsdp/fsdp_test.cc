@@ -1,4 +1,4 @@
-// FullyShardedModel (ZeRO-3): equivalence with single-rank training on GPT-tiny, the per-rank ledger
+// fully_shard (ZeRO-3, FSDP2's shape): equivalence with single-rank training on GPT-tiny, the per-rank ledger
 // against the ZeRO-3 formula, and errors.
 #include <algorithm>
 #include <cstdio>
@@ -33,8 +33,9 @@ enum class Passes { one, two_forwards, two_backwards, forwards_then_backwards };
 
 struct Case {
   int world;
-  bool reshard_after_forward;
+  std::optional<bool> reshard_after_forward;
   Passes passes = Passes::one;
+  bool nested = false;  // every block's MLP a unit of its own inside the block's unit
 };
 
 // Trains GPT-tiny for `steps` steps on `world` ranks (each on its rows) with every TransformerBlock a unit;
@@ -43,9 +44,11 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(c.world));
   absl::Status st = comm::RunRanks(c.world, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env, {.reshard_after_forward = c.reshard_after_forward});
-    if (!fs.ok()) return fs.status();
-    auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+    if (absl::Status s = test_util::ShardGpt(model, env, {.reshard_after_forward = c.reshard_after_forward}, c.nested);
+        !s.ok()) {
+      return s;
+    }
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});  // the shards
     if (!opt.ok()) return opt.status();
     const int rows = kBatch / c.world;
     for (int step = 0; step < steps; ++step) {
@@ -69,7 +72,7 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
       }
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(**fs, model);
+    auto values = test_util::FullValues(model);
     if (!values.ok()) return values.status();
     got[static_cast<std::size_t>(env.rank)] = std::move(*values);
     return absl::OkStatus();
@@ -78,14 +81,15 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
   return got;
 }
 
-class FsdpGpt : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+class FsdpGpt : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
-// 20 steps of AdamW: every rank ends equal to one rank trained on the whole batch (fp32 reduction order
-// tolerance, as the OSS and ShardedDDP equivalence tests), and all ranks bit-identical.
+// 20 steps of AdamW over model.parameters() (the shards): every rank ends equal to one rank trained on the whole
+// batch (fp32 reduction order tolerance, as the OSS and ShardedDDP equivalence tests), and all ranks bit-identical;
+// units per block, or per block and per MLP (nested).
 TEST_P(FsdpGpt, EqualsSingleRankOnTheWholeBatch) {
-  const auto [world, reshard] = GetParam();
+  const auto [world, reshard, nested] = GetParam();
   static const auto want = gpt_tiny::Reference(20);
-  gpt_tiny::ExpectMatches(TrainSharded({world, reshard}, 20), want, 2e-5);
+  gpt_tiny::ExpectMatches(TrainSharded({world, reshard, Passes::one, nested}, 20), want, 2e-5);
 }
 
 // Several forwards before one backward, and gradients accumulated over two backwards, at n = 2 and 4 (rows
@@ -103,17 +107,19 @@ TEST(FsdpGptPasses, TwoForwardsOneBackwardAndTwoBackwardsAccumulate) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, FsdpGpt, ::testing::Combine(::testing::Values(1, 2, 3, 4, 8), ::testing::Bool()),
+INSTANTIATE_TEST_SUITE_P(Ranks, FsdpGpt,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8), ::testing::Bool(), ::testing::Bool()),
                          [](const auto& info) {
-                           return std::string(std::get<1>(info.param) ? "reshard" : "keep") + "_n" +
-                                  std::to_string(std::get<0>(info.param));
+                           return std::string(std::get<1>(info.param) ? "reshard" : "keep") +
+                                  (std::get<2>(info.param) ? "_nested" : "") + "_n" + std::to_string(std::get<0>(info.param));
                          });
 
-// DESIGN.md section 6, ZeRO-3 (fp32 + Adam): 16Ψ/N bytes of model state per rank. Exactly: parameters,
-// gradients and the two Adam moments are each the rank's shards (Ψ/N plus at most world - 1 padding elements
-// per unit). During forward and backward, at most the root unit and one block unit are unsharded at a time.
-TEST(FsdpMemory, LedgerAtRestIsTheZero3Formula) {
-  for (const int world : {2, 4}) {
+// DESIGN.md section 6, ZeRO-3 (fp32 + Adam): 16Ψ/N bytes of model state per rank plus padding, exactly. Each
+// parameter of dim-0 size d0 and row size w occupies ceil(d0/N)·w elements of the shard buffer and of the sharded
+// gradient (Note [per-parameter dim-0 shards]); the Adam moments are sized by the rows the rank owns. During
+// forward and backward, at most the root unit and one block are unsharded at a time.
+TEST(FsdpMemory, LedgerAtRestIsTheZero3FormulaPlusPadding) {
+  for (const int world : {1, 2, 3, 4, 8}) {
     absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
       MemoryTracker& mem = *env.context.memory;
       std::unique_ptr<nn::GPT> model;
@@ -121,20 +127,21 @@ TEST(FsdpMemory, LedgerAtRestIsTheZero3Formula) {
         MemoryCategoryScope params(MemoryCategory::parameter);
         model = std::make_unique<nn::GPT>(TinyConfig(), 1);
       }
-      const std::int64_t psi = model->num_parameters();
-      std::int64_t largest_block = 0;
-      for (nn::Module* b : modules_of_type(*model, "TransformerBlock")) largest_block = std::max(largest_block, b->num_parameters());
-      auto fs = test_util::ShardBlocks(*model, env);
-      if (!fs.ok()) return fs.status();
-      const std::int64_t shard = (*fs)->shard_numel();
-      const std::int64_t units = static_cast<std::int64_t>((*fs)->num_units());
-      EXPECT_GE(shard * world, psi);
-      EXPECT_LE(shard * world, psi + units * (world - 1));
-      EXPECT_EQ(mem.current(MemoryCategory::parameter), shard * 4) << "at rest: the shards only";
+      const double psi = static_cast<double>(model->num_parameters());
+      std::int64_t padded = 0, owned = 0;
+      for (const Tensor& p : model->parameters()) {
+        const RowSplit rs = split_rows(p.shape(), env.rank, world);
+        padded += rs.rows_per_rank * rs.row_numel;
+        owned += rs.local_rows * rs.row_numel;
+      }
+      const std::int64_t root_numel = model->num_parameters() - 3 * (*model->blocks)[0]->num_parameters();
+      const std::int64_t block_numel = (*model->blocks)[0]->num_parameters();
+      if (absl::Status s = test_util::ShardGpt(*model, env); !s.ok()) return s;
+      EXPECT_EQ(mem.current(MemoryCategory::parameter), padded * 4) << "at rest: the shards only";
       std::unique_ptr<optim::Optimizer> opt;
       {
         MemoryCategoryScope cat(MemoryCategory::optimizer_state);
-        opt = std::move(*optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}}));
+        opt = std::move(*optim::AdamW::factory()({{model->parameters(), optim::AdamW::default_hyper()}}));
       }
       const int rows = kBatch / world;
       for (int step = 0; step < 2; ++step) {
@@ -146,29 +153,27 @@ TEST(FsdpMemory, LedgerAtRestIsTheZero3Formula) {
         mem.reset_peaks();
         if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
         const std::int64_t param_peak_backward = mem.peak(MemoryCategory::parameter);
-        const std::int64_t root = (*fs)->unit_numel(static_cast<std::size_t>(units - 1));  // the root is the last unit
-        const std::int64_t one_block_at_a_time = (shard + root + largest_block + 2 * (world - 1)) * 4;
+        const std::int64_t one_block_at_a_time = (padded + root_numel + block_numel) * 4;
         EXPECT_LE(param_peak_forward, one_block_at_a_time) << "forward peak";
         // A block is reduced and resharded before the previous one is unsharded (Note [post-backward on a
         // unit's inputs]).
         EXPECT_LE(param_peak_backward, one_block_at_a_time) << "backward peak";
-        EXPECT_EQ(mem.current(MemoryCategory::parameter), shard * 4) << "after backward: resharded";
-        EXPECT_EQ(mem.current(MemoryCategory::gradient), shard * 4) << "after backward: sharded gradients only";
+        EXPECT_GT(param_peak_backward, (padded + block_numel) * 4) << "a block was unsharded";
+        EXPECT_EQ(mem.current(MemoryCategory::parameter), padded * 4) << "after backward: resharded";
+        EXPECT_EQ(mem.current(MemoryCategory::gradient), padded * 4) << "after backward: sharded gradients only";
         EXPECT_EQ(mem.current(MemoryCategory::communication_buffer), 0);
         {
           MemoryCategoryScope cat(MemoryCategory::optimizer_state);
           if (absl::Status s = opt->step(); !s.ok()) return s;
         }
       }
+      EXPECT_EQ(mem.current(MemoryCategory::optimizer_state), 2 * owned * 4) << "Adam moments of the owned rows";
       const std::int64_t model_state = mem.current(MemoryCategory::parameter) + mem.current(MemoryCategory::gradient) +
                                        mem.current(MemoryCategory::optimizer_state);
-      EXPECT_EQ(mem.current(MemoryCategory::optimizer_state), 2 * shard * 4) << "Adam moments of the shards";
-      EXPECT_EQ(model_state, 16 * shard);
+      EXPECT_EQ(model_state, 8 * padded + 8 * owned);
       if (env.rank == 0) {
-        std::printf("fsdp n=%d: model state %lld B per rank vs 16Ψ/N = %.0f B (%.4f); DDP would hold %lld B\n", world,
-                    static_cast<long long>(model_state), 16.0 * static_cast<double>(psi) / world,
-                    static_cast<double>(model_state) / (16.0 * static_cast<double>(psi) / world),
-                    static_cast<long long>(16 * psi));
+        std::printf("fsdp n=%d: model state %lld B per rank vs 16Ψ/N = %.0f B (%.4f)\n", world,
+                    static_cast<long long>(model_state), 16.0 * psi / world, static_cast<double>(model_state) / (16.0 * psi / world));
       }
       return absl::OkStatus();
     });
@@ -176,13 +181,12 @@ TEST(FsdpMemory, LedgerAtRestIsTheZero3Formula) {
   }
 }
 
-// Evaluation without gradients leaves every unit resharded and sends one all_gather per unit.
+// Evaluation without gradients leaves every unit resharded.
 TEST(FsdpEval, NoGradForwardReshardsEveryUnit) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     MemoryTracker& mem = *env.context.memory;
     nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env);
-    if (!fs.ok()) return fs.status();
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
     const std::int64_t at_rest = mem.current(MemoryCategory::parameter);
     auto [x, y] = Batch(0, 0, 2);
     {
@@ -203,14 +207,14 @@ TEST(FsdpNoSync, FourMicroBatchesEqualOneLargeBatch) {
   std::vector<std::vector<std::vector<float>>> got(2);
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env);
-    if (!fs.ok()) return fs.status();
-    auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    FSDPModule root = *state_of(model);
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
     constexpr int kMicro = 4, kRows = kBatch / 2 / kMicro;
     for (int step = 0; step < 6; ++step) {
       (*opt)->zero_grad();
       for (int m = 0; m < kMicro; ++m) {
-        (*fs)->set_requires_gradient_sync(m == kMicro - 1);
+        root.set_requires_gradient_sync(m == kMicro - 1);
         auto [x, y] = Batch(step, env.rank * kBatch / 2 + m * kRows, kRows);
         const auto before = env.group.counters();
         if (absl::Status s = autograd::try_backward(autograd::scale(model.loss(x, y), 1.0f / kMicro)); !s.ok()) return s;
@@ -221,7 +225,7 @@ TEST(FsdpNoSync, FourMicroBatchesEqualOneLargeBatch) {
       }
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(**fs, model);
+    auto values = test_util::FullValues(model);
     if (!values.ok()) return values.status();
     got[static_cast<std::size_t>(env.rank)] = std::move(*values);
     return absl::OkStatus();
@@ -230,6 +234,36 @@ TEST(FsdpNoSync, FourMicroBatchesEqualOneLargeBatch) {
   gpt_tiny::ExpectMatches(got, want, 2e-5);
 }
 
+// A forward with grad on whose loss is dropped (no backward), then a step, an unshard and a state dict: the
+// stale forward's hooks do not fire later, nothing stays unsharded, and training continues equal to the reference.
+TEST(FsdpStaleForward, ForwardWithoutBackwardThenStepUnshardAndCheckpoint) {
+  static const auto want = gpt_tiny::Reference(4);
+  std::vector<std::vector<std::vector<float>>> got(2);
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    MemoryTracker& mem = *env.context.memory;
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+    const std::int64_t at_rest = mem.current(MemoryCategory::parameter);
+    for (int step = 0; step < 4; ++step) {
+      auto [x, y] = Batch(step, env.rank * 12, 12);
+      (*opt)->zero_grad();
+      { Tensor dropped = model.loss(x, y); }  // grad on, never backpropagated
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;  // no gradients: nothing moves
+      auto sd = full_state_dict(model);
+      if (!sd.ok()) return sd.status();
+      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
+      EXPECT_LE(mem.current(MemoryCategory::parameter), at_rest + model.num_parameters() * 4);
+    }
+    auto values = test_util::FullValues(model);
+    if (!values.ok()) return values.status();
+    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  gpt_tiny::ExpectMatches(got, want, 2e-5);
+}
 // A unit whose forward takes a data-dependent branch: `gate` is used on some ranks only. Its reduce_scatter
 // still comes at the same point of every rank's backward (Note [post-backward on a unit's inputs]), and
 // training equals one rank computing both ranks' losses.
@@ -294,16 +328,16 @@ TEST(FsdpDataDependent, AParameterUsedOnSomeRanksOnly) {
   std::vector<std::vector<std::vector<float>>> got(2);
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     GatedNet net(3);
-    auto fs = FullyShardedModel::create(net, env.group_ptr, {.units = {net.body.get()}});
-    if (!fs.ok()) return fs.status();
-    auto opt = optim::Sgd::factory({.lr = 0.1})({{(*fs)->parameters(), {}}});
+    if (auto s = fully_shard(*net.body, env.group_ptr); !s.ok()) return s.status();
+    if (auto s = fully_shard(net, env.group_ptr); !s.ok()) return s.status();
+    auto opt = optim::Sgd::factory({.lr = 0.1})({{net.parameters(), {}}});
     net.body->use_gate = env.rank == 0;
     for (int step = 0; step < kSteps; ++step) {
       (*opt)->zero_grad();
       if (absl::Status s = autograd::try_backward(net.loss(GatedInput(env.rank, step))); !s.ok()) return s;
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(**fs, net);
+    auto values = test_util::FullValues(net);
     if (!values.ok()) return values.status();
     got[static_cast<std::size_t>(env.rank)] = std::move(*values);
     return absl::OkStatus();
@@ -319,9 +353,8 @@ TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
     std::vector<std::vector<std::vector<float>>> got(2);
     absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
       nn::GPT model(TinyConfig(), 1);
-      auto fs = test_util::ShardBlocks(model, env);
-      if (!fs.ok()) return fs.status();
-      auto opt = optim::AdamW::factory()({{(*fs)->parameters(), optim::AdamW::default_hyper()}});
+      if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+      auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
       bool armed = fail_first;
       std::vector<autograd::HookHandle> throwing;
       autograd::HookHandle arm = (*model.blocks)[0]->register_forward_hook(
@@ -346,7 +379,7 @@ TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
         if (!s.ok()) return s;
         if (absl::Status s = step > 0 ? (*opt)->step() : absl::OkStatus(); !s.ok()) return s;
       }
-      auto values = test_util::FullValues(**fs, model);
+      auto values = test_util::FullValues(model);
       if (!values.ok()) return values.status();
       got[static_cast<std::size_t>(env.rank)] = std::move(*values);
       return absl::OkStatus();
@@ -359,30 +392,14 @@ TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
   EXPECT_EQ(failed, clean);
 }
 
-// Destroying the wrapper after unshard() leaves a usable full model (its parameters stay in the buffers).
-TEST(FsdpLifecycle, ModelUsableAfterUnshardAndDestroy) {
+// Between summon_full_params() and reshard(), forwards communicate nothing: rank 0 alone can sample from the model.
+TEST(FsdpLifecycle, ForwardsOnOneRankWhileSummoned) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto [x, y] = Batch(0, 0, 4);
-    const double before = model.loss(x, y).item();
-    {
-      auto fs = test_util::ShardBlocks(model, env);
-      if (!fs.ok()) return fs.status();
-      if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
-    }
-    EXPECT_EQ(model.loss(x, y).item(), before);
-    return absl::OkStatus();
-  });
-  EXPECT_TRUE(st.ok()) << st;
-}
-
-// Between unshard() and reshard(), forwards communicate nothing: rank 0 alone can sample from the model.
-TEST(FsdpLifecycle, ForwardsOnOneRankWhileUnsharded) {
-  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
-    nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env);
-    if (!fs.ok()) return fs.status();
-    if (absl::Status s = (*fs)->unshard(); !s.ok()) return s;
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    FSDPModule root = *state_of(model);
+    if (absl::Status s = root.summon_full_params(); !s.ok()) return s;
+    EXPECT_EQ(root.training_state(), TrainingState::summoned);
     const auto before = env.group.counters();
     if (env.rank == 0) {
       autograd::NoGradGuard no_grad;
@@ -390,57 +407,122 @@ TEST(FsdpLifecycle, ForwardsOnOneRankWhileUnsharded) {
       for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isfinite(model.loss(x, y).item()));
     }
     EXPECT_EQ(env.group.counters().since(before).total_sent(), 0);
-    (*fs)->reshard();
+    return root.reshard(/*recurse=*/true);
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// unshard(async) starts one unit's all_gather; the unit's forward finishes it and gathers nothing more.
+TEST(FsdpLifecycle, AsyncUnshardIsFinishedByTheForward) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    auto [x, y] = Batch(0, env.rank * 2, 2);
+    Tensor want;
+    {
+      autograd::NoGradGuard no_grad;
+      want = model.loss(x, y);
+    }
+    auto h = state_of(*(*model.blocks)[1])->unshard(/*async_op=*/true);
+    if (!h.ok()) return h.status();
+    const auto before = env.group.counters();
+    autograd::NoGradGuard no_grad;
+    EXPECT_EQ(model.loss(x, y).item(), want.item());
+    // The root and blocks 0 and 2 gather in the forward; block 1 was gathered by the unshard.
+    EXPECT_EQ(env.group.counters().since(before).of(comm::CollectiveKind::all_gather).calls, 3);
+    return h->wait();  // already finished: a no-op
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// Freezing a block after fully_shard: its shards get no gradient and stay as they are; the rest trains.
+TEST(FsdpFreeze, FreezingAShardedBlockLaterStopsItsUpdates) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+    gpt_tiny::FreezeBlock0(model);
+    const auto block0_before = gpt_tiny::Values(*(*model.blocks)[0]);
+    const auto block1_before = gpt_tiny::Values(*(*model.blocks)[1]);
+    if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, 2, 0, 2); !s.ok()) return s;
+    EXPECT_EQ(gpt_tiny::Values(*(*model.blocks)[0]), block0_before);
+    EXPECT_NE(gpt_tiny::Values(*(*model.blocks)[1]), block1_before);
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;
 }
 
-TEST(FsdpErrors, FreezingAShardedParameterLaterIsRefused) {
-  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+TEST(FsdpErrors, ContainerTwiceAndSharedWithASibling) {
+  absl::Status st = comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env);
-    if (!fs.ok()) return fs.status();
-    (*model.blocks)[0]->set_requires_grad(false);
-    auto [x, y] = Batch(0, 0, 2);
+    auto list = fully_shard(*model.blocks, env.group_ptr);
+    EXPECT_EQ(list.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(list.status().message()), ::testing::HasSubstr("ModuleList has no forward of its own"));
+    if (auto s = fully_shard(*(*model.blocks)[0], env.group_ptr); !s.ok()) return s.status();
+    auto twice = fully_shard(*(*model.blocks)[0], env.group_ptr);
+    EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(twice.status().message()), ::testing::HasSubstr("already sharded"));
+    // The tied embedding: sharding lm_head alone takes wte's weight from the root's other use.
+    if (auto s = fully_shard(*model.lm_head, env.group_ptr); !s.ok()) return s.status();
+    auto shared = fully_shard(*model.wte, env.group_ptr);
+    EXPECT_EQ(shared.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(shared.status().message()),
+                ::testing::HasSubstr("parameter 'weight' of this Embedding has no bytes: another fully_shard call"));
+    EXPECT_EQ(state_of(*model.wpe).status().code(), absl::StatusCode::kNotFound);
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
+// A sharded module of another model run inside the root's forward: refused, naming both.
+class TwoModels : public nn::Module {
+ public:
+  TwoModels(nn::Module& inner, nn::Module& outside) : Module("TwoModels"), inner_(inner), outside_(outside) {}
+  nn::Module& inner_;
+  nn::Module& outside_;
+
+ protected:
+  Tensor forward(const Tensor& x) override { return outside_(inner_(x)); }
+};
+
+TEST(FsdpErrors, UnitOutsideTheRootIsRefused) {
+  absl::Status st = comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
+    Generator gen(1);
+    auto inner = std::make_shared<nn::Linear>(3, 3, gen);
+    nn::Linear outside(3, 3, gen);
+    TwoModels root(*inner, outside);
+    root.register_module("inner", inner);
+    if (auto s = fully_shard(outside, env.group_ptr); !s.ok()) return s.status();
+    if (auto s = fully_shard(root, env.group_ptr); !s.ok()) return s.status();
     try {
-      (void)model.loss(x, y);
+      (void)root(Tensor::zeros({2, 3}));
       ADD_FAILURE() << "expected FsdpError";
     } catch (const FsdpError& e) {
       EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
-      EXPECT_THAT(e.what(), ::testing::HasSubstr("frozen after fully_shard"));
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("a Linear sharded by fully_shard runs inside the forward of the root "
+                                                 "TwoModels but is not one of its submodules"));
     }
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;
 }
 
-// The classic ZeRO-3 mistake: an optimizer over model.parameters() (released at rest) fails loudly (a
-// FailedPrecondition from step(), which updates nothing) instead of silently skipping every parameter.
-TEST(FsdpErrors, OptimizerOverTheModulesParametersFailsLoudly) {
-  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
-    nn::GPT model(TinyConfig(), 1);
-    auto fs = test_util::ShardBlocks(model, env);
-    if (!fs.ok()) return fs.status();
-    auto opt = optim::Sgd::factory({.lr = 0.1})({{model.parameters(), {}}});
-    if (!opt.ok()) return opt.status();
-    auto [x, y] = Batch(0, env.rank * 2, 2);
-    if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
-    absl::Status s = (*opt)->step();
-    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-    EXPECT_THAT(s.message(), ::testing::HasSubstr("expected a parameter with live storage"));
-    EXPECT_THAT(s.message(), ::testing::HasSubstr("build the optimizer from its parameters()"));
-    return absl::OkStatus();
-  });
-  EXPECT_TRUE(st.ok()) << st;
-}
-
-TEST(FsdpErrors, UnitOutsideTheRootIsRefused) {
+// Calls in the wrong training state name both states.
+TEST(FsdpErrors, ReshardInsideAForwardNamesBothStates) {
   absl::Status st = comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
-    nn::GPT model(TinyConfig(), 1), other(TinyConfig(), 2);
-    auto fs = FullyShardedModel::create(model, env.group_ptr, {.units = {other.blocks.get()}});
-    EXPECT_EQ(fs.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(fs.status().message()), ::testing::HasSubstr("submodule of the root"));
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    nn::Module& block = *(*model.blocks)[0];
+    absl::Status inside;
+    autograd::HookHandle h = block.register_forward_pre_hook([&](nn::Module&, const nn::TensorList&) -> std::optional<nn::TensorList> {
+      inside = state_of(block)->reshard();
+      return std::nullopt;
+    });
+    auto [x, y] = Batch(0, 0, 2);
+    (void)model.loss(x, y);
+    EXPECT_EQ(inside.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(inside.message()), ::testing::HasSubstr("reshard() on a TransformerBlock in training state "
+                                                                   "forward; expected idle or summoned"));
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;

@@ -1,4 +1,4 @@
-// Shared helpers of the fsdp tests: shard GPT-tiny by blocks, train a rank on its rows, read the full model.
+// Shared helpers of the fsdp tests: shard GPT-tiny bottom-up, train a rank on its rows, read the full model.
 #pragma once
 
 #include <memory>
@@ -7,15 +7,24 @@
 
 #include "common/comm/testing/run_ranks.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/state_dict.h"
 #include "tests/testing/gpt_tiny_data.h"
 
 namespace shardkit::fsdp::test_util {
 
-// fully_shard with every TransformerBlock a unit (the rest in the root unit).
-inline absl::StatusOr<std::unique_ptr<FullyShardedModel>> ShardBlocks(nn::Module& model, comm::RankEnv& env,
-                                                                      FullyShardOptions options = {}) {
-  options.units = modules_of_type(model, "TransformerBlock");
-  return FullyShardedModel::create(model, env.group_ptr, std::move(options));
+// fully_shard bottom-up: (nested: every block's MLP,) every TransformerBlock, then the root.
+inline absl::Status ShardGpt(nn::GPT& model, comm::RankEnv& env, FullyShardOptions options = {}, bool nested = false) {
+  if (nested) {
+    for (nn::Module* m : modules_of_type(model, "MLP")) {
+      if (auto s = fully_shard(*m, env.group_ptr, options); !s.ok()) return s.status();
+    }
+  }
+  for (nn::Module* b : modules_of_type(model, "TransformerBlock")) {
+    if (auto s = fully_shard(*b, env.group_ptr, options); !s.ok()) return s.status();
+  }
+  FullyShardOptions root = options;
+  root.reshard_after_forward = std::nullopt;  // FSDP2's default for the root: keep
+  return fully_shard(model, env.group_ptr, root).status();
 }
 
 // Steps [first, last): rank `rank` of `world` on its rows of each GPT-tiny batch, one forward and backward,
@@ -31,11 +40,13 @@ inline absl::Status TrainRows(nn::GPT& model, optim::Optimizer& opt, int rank, i
   return absl::OkStatus();
 }
 
-// The module's full parameter values (unshard, read, reshard). Collective.
-inline absl::StatusOr<std::vector<std::vector<float>>> FullValues(FullyShardedModel& fs, const nn::Module& model) {
-  if (absl::Status s = fs.unshard(); !s.ok()) return s;
+// The module's full parameter values, in the unsharded model's parameters() order. Collective.
+inline absl::StatusOr<std::vector<std::vector<float>>> FullValues(nn::Module& model) {
+  auto unit = state_of(model);
+  if (!unit.ok()) return unit.status();
+  if (absl::Status s = unit->summon_full_params(); !s.ok()) return s;
   std::vector<std::vector<float>> values = gpt_tiny::Values(model);
-  fs.reshard();
+  if (absl::Status s = unit->reshard(/*recurse=*/true); !s.ok()) return s;
   return values;
 }
 

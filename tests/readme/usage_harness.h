@@ -29,7 +29,7 @@ struct Trained {
   double last_loss = 0;
 };
 
-// README usage excerpt 1 (OSS + ShardedDataParallel) and 2 (FullyShardedModel), run on this rank. Collective.
+// README usage excerpt 1 (OSS + ShardedDataParallel) and 2 (fsdp::fully_shard), run on this rank. Collective.
 absl::Status RunOssShardedDdpExcerpt(const nn::GPTConfig& config, const std::shared_ptr<comm::ProcessGroup>& pg,
                                      const Tensor& x, const Tensor& y, int steps, Trained& out);
 absl::Status RunFsdpExcerpt(const nn::GPTConfig& config, const std::shared_ptr<comm::ProcessGroup>& pg,

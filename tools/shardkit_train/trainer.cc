@@ -25,7 +25,7 @@
 #endif
 #ifdef SHARDKIT_TRAIN_HAS_FSDP
 #include "fsdp/fully_shard.h"
-#include "fsdp/optim_state.h"
+#include "fsdp/state_dict.h"
 #endif
 
 namespace shardkit::train {
@@ -221,7 +221,8 @@ class OssRunner : public Runner {
 };
 
 #ifdef SHARDKIT_TRAIN_HAS_FSDP
-// ZeRO-3: fsdp::FullyShardedModel with every transformer block a unit; AdamW steps the unit shards.
+// ZeRO-3: fsdp::fully_shard on every transformer block, then the model (the root); AdamW over model.parameters(),
+// which are this rank's shards at rest.
 class FsdpRunner : public Runner {
  public:
   static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
@@ -229,34 +230,42 @@ class FsdpRunner : public Runner {
     if (o.precision != Precision::fp32) {
       return absl::InvalidArgumentError("--strategy fsdp: expected --precision fp32 (bf16 communication is not there yet)");
     }
-    auto fs = fsdp::FullyShardedModel::create(model, std::move(pg), {.units = fsdp::modules_of_type(model, "TransformerBlock")});
-    if (!fs.ok()) return fs.status();
-    auto opt = optim::AdamW::make({{(*fs)->parameters(), hyper(o)}}, hyper(o));
+    for (nn::Module* block : fsdp::modules_of_type(model, "TransformerBlock")) {
+      if (auto unit = fsdp::fully_shard(*block, pg); !unit.ok()) return unit.status();
+    }
+    auto root = fsdp::fully_shard(model, pg);
+    if (!root.ok()) return root.status();
+    auto opt = optim::AdamW::make({{model.parameters(), hyper(o)}}, hyper(o));
     if (!opt.ok()) return opt.status();
-    return std::unique_ptr<Runner>(new FsdpRunner(model, std::move(*fs), std::move(*opt)));
+    return std::unique_ptr<Runner>(new FsdpRunner(model, *root, *pg, std::move(*opt)));
   }
   absl::Status backward(const Tensor& loss) override { return autograd::try_backward(loss); }
   absl::Status step() override { return opt_->step(); }
   void zero_grad() override { opt_->zero_grad(); }
   void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
   absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
-    auto full = fsdp::full_optimizer_state(*fs_, model_, *opt_);
+    auto full = fsdp::full_optimizer_state(model_, *opt_);
     if (!full.ok()) return full.status();
-    if (fs_->process_group().rank() != 0) return std::optional<optim::OptimizerStateDict>();
+    if (pg_.rank() != 0) return std::optional<optim::OptimizerStateDict>();
     return std::optional<optim::OptimizerStateDict>(std::move(*full));
   }
   absl::Status load_state(const optim::OptimizerStateDict& full) override {
-    return fsdp::load_full_optimizer_state(*fs_, model_, *opt_, full);
+    return fsdp::load_full_optimizer_state(model_, *opt_, full);
   }
-  std::int64_t owned_numel() const override { return fs_->shard_numel(); }
-  absl::Status gather_model() override { return fs_->unshard(); }
-  void release_model() override { fs_->reshard(); }
+  std::int64_t owned_numel() const override {
+    std::int64_t n = 0;
+    for (const fsdp::ShardedTensor& t : fsdp::sharded_parameters(model_)) n += t.local.numel();
+    return n;
+  }
+  absl::Status gather_model() override { return root_.summon_full_params(); }
+  void release_model() override { (void)root_.reshard(/*recurse=*/true); }
 
  private:
-  FsdpRunner(nn::GPT& model, std::unique_ptr<fsdp::FullyShardedModel> fs, std::unique_ptr<optim::Optimizer> opt)
-      : model_(model), fs_(std::move(fs)), opt_(std::move(opt)) {}
+  FsdpRunner(nn::GPT& model, fsdp::FSDPModule root, comm::ProcessGroup& pg, std::unique_ptr<optim::Optimizer> opt)
+      : model_(model), root_(root), pg_(pg), opt_(std::move(opt)) {}
   nn::GPT& model_;
-  std::unique_ptr<fsdp::FullyShardedModel> fs_;
+  fsdp::FSDPModule root_;
+  comm::ProcessGroup& pg_;
   std::unique_ptr<optim::Optimizer> opt_;
 };
 #endif
@@ -355,6 +364,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   MemoryTracker& ledger = *current_rank_context().memory;
 
   nn::GPT model(cfg, o.seed);
+  const std::int64_t num_params = model.num_parameters();  // (under fsdp, parameters() are shards afterwards)
   auto runner = make_runner(strategy, model, pg, o);
   if (!runner.ok()) return runner.status();
   std::int64_t start = 0;
@@ -370,7 +380,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   RunResult res;
   res.strategy = strategy;
   res.world = world;
-  res.num_params = model.num_parameters();
+  res.num_params = num_params;
   res.start_step = start;
   res.tokens_per_step = o.batch * cfg.context * world;
   res.backend = pg->backend_name();

@@ -15,8 +15,8 @@
 //         (2Psi elements sent per step, as DDP; the flat buffers cost 4Psi bytes of communication_buffer).
 //   sddp: sddp::ShardedDataParallel over the same Oss: gradient buckets are reduce-scattered into the owned
 //         slices during backward and full-size gradients are released (ZeRO-2).
-//   fsdp: fsdp::FullyShardedModel, every transformer block a unit: parameters sharded too, gathered per
-//         unit around its forward and backward (ZeRO-3); checkpoints through fsdp/optim_state.h and
+//   fsdp: fsdp::fully_shard on every transformer block, then the model (the root): parameters sharded too,
+//         gathered per unit around its forward and backward (ZeRO-3); checkpoints through fsdp/state_dict.h and
 //         unshard(), so they load into any strategy (fp32 only).
 // Without the sddp layer (an older tree) ddp / oss fall back to one all_reduce per gradient after
 // backward, and sddp is not offered.

@@ -12,8 +12,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// A parameter whose storage is released (what an optimizer over an fsdp::FullyShardedModel's module
-// parameters sees at rest) is a FailedPrecondition naming it, and the live parameter before it is not
+// A parameter whose storage is released (what an optimizer built from model.parameters() before fsdp::fully_shard
+// sees) is a FailedPrecondition naming it, and the live parameter before it is not
 // stepped either.
 TEST(OptimizerStepTest, ReleasedParameterIsFailedPreconditionAndStepsNothing) {
   Tensor a = Tensor::full({3}, 1.0);
@@ -26,7 +26,7 @@ TEST(OptimizerStepTest, ReleasedParameterIsFailedPreconditionAndStepsNothing) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_THAT(s.message(), HasSubstr("AdamW step: param group 0, parameter 1: expected a parameter with live "
                                      "storage, found f32[2] cpu (released)"));
-  EXPECT_THAT(s.message(), HasSubstr("build the optimizer from its parameters()"));
+  EXPECT_THAT(s.message(), HasSubstr("build the optimizer from model.parameters() after fully_shard"));
   EXPECT_EQ(a.to_vector(), std::vector<float>(3, 1.0f));
   EXPECT_EQ(opt.state(0), nullptr);
 }

@@ -1,0 +1,168 @@
+#include "fsdp/param_group.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+
+namespace shardkit::fsdp {
+namespace {
+
+Shape local_shape_of(const Shape& global, std::int64_t local_rows) {
+  if (global.empty()) return local_rows == 1 ? Shape{} : Shape{0};
+  Shape s = global;
+  s[0] = local_rows;
+  return s;
+}
+
+// Copies `rows` rows of `row_numel` f32 elements.
+void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t row_numel) {
+  if (rows > 0 && row_numel > 0) std::memcpy(dst, src, static_cast<std::size_t>(rows * row_numel) * sizeof(float));
+}
+
+}  // namespace
+
+ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
+                       std::optional<absl::Duration> timeout)
+    : name_(std::move(name)), params_(std::move(params)), pg_(std::move(group)), timeout_(timeout) {
+  const int rank = pg_->rank(), world = pg_->size();
+  std::int64_t s = 0;
+  for (FSDPParam& p : params_) {
+    p.split = split_rows(p.global_shape, rank, world);
+    p.local_shape = local_shape_of(p.global_shape, p.split.local_rows);
+    p.shard_offset = s;
+    s += p.padded_numel();
+  }
+  const TensorOptions param_opts = TensorOptions{}.with_category(MemoryCategory::parameter);
+  shard_ = Tensor::zeros({s}, param_opts);
+  float* shard = shard_.data<float>();
+  for (FSDPParam& p : params_) {
+    const Tensor& full = p.registrations.front().first->parameter(p.registrations.front().second);
+    SK_CHECK(full.shape() == p.global_shape && full.dtype() == DType::f32) << "fsdp: " << full.describe();
+    copy_rows(shard + p.shard_offset, full.data<float>() + p.split.row_offset * p.split.row_numel, p.split.local_rows,
+              p.split.row_numel);
+    p.sharded = shard_.view(p.shard_offset, p.local_shape);
+    p.sharded.set_requires_grad(true);
+    p.unsharded = Tensor::empty(p.global_shape, param_opts);
+    p.unsharded.set_requires_grad(true);
+    p.unsharded.release_storage();
+    p.register_as(p.sharded);
+  }
+}
+
+absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async() {
+  UnshardHandle h;
+  if (unsharded_) return h;
+  h.group_ = this;
+  h.gathered_ = Tensor::empty({shard_.numel() * pg_->size()},
+                              TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+  h.work_ = pg_->all_gather(h.gathered_, shard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)});
+  return h;
+}
+
+absl::Status ParamGroup::UnshardHandle::wait() {
+  if (group_ == nullptr) return absl::OkStatus();
+  ParamGroup* g = group_;
+  group_ = nullptr;
+  absl::Status s = work_->wait();
+  work_.reset();
+  Tensor gathered = std::move(gathered_);
+  if (!s.ok()) return s;
+  return g->finish_unshard(gathered);
+}
+
+absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
+  const std::int64_t s = shard_.numel();
+  const int world = pg_->size();
+  const float* in = gathered.data<float>();
+  for (FSDPParam& p : params_) {
+    p.unsharded.reallocate_storage();
+    p.unsharded.set_requires_grad(p.sharded.requires_grad());  // frozen after fully_shard: no gradient
+    float* out = p.unsharded.data<float>();
+    for (int r = 0; r < world; ++r) {
+      const RowSplit rs = split_rows(p.global_shape, r, world);
+      copy_rows(out + rs.row_offset * rs.row_numel, in + r * s + p.shard_offset, rs.local_rows, rs.row_numel);
+    }
+    p.register_as(p.unsharded);
+  }
+  unsharded_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ParamGroup::unshard() {
+  auto h = unshard_async();
+  if (!h.ok()) return h.status();
+  return h->wait();
+}
+
+void ParamGroup::reshard() {
+  if (!unsharded_) return;
+  for (FSDPParam& p : params_) {
+    p.register_as(p.sharded);
+    p.unsharded.release_storage();
+  }
+  unsharded_ = false;
+}
+
+void ParamGroup::write_back() {
+  if (!unsharded_) return;
+  for (FSDPParam& p : params_) {
+    copy_rows(p.sharded.data<float>(), p.unsharded.data<float>() + p.split.row_offset * p.split.row_numel,
+              p.split.local_rows, p.split.row_numel);
+  }
+}
+
+bool ParamGroup::has_unsharded_grads() const {
+  for (const FSDPParam& p : params_) {
+    if (p.unsharded.grad().defined()) return true;
+  }
+  return false;
+}
+
+void ParamGroup::drop_unsharded_grads() {
+  for (const FSDPParam& p : params_) p.unsharded.set_grad(Tensor());
+}
+
+absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {
+  const std::int64_t s = shard_.numel();
+  const int world = pg_->size();
+  Tensor flat = Tensor::zeros({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+  float* in = flat.data<float>();
+  for (FSDPParam& p : params_) {
+    const Tensor g = p.unsharded.grad();
+    if (!g.defined()) continue;  // no gradient: zeros
+    SK_CHECK(g.dtype() == DType::f32 && g.numel() == p.unsharded.numel()) << "fsdp: gradient " << g.describe();
+    for (int r = 0; r < world; ++r) {
+      const RowSplit rs = split_rows(p.global_shape, r, world);
+      copy_rows(in + r * s + p.shard_offset, g.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
+    }
+    p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
+  }
+  Tensor out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient));
+  const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
+  if (absl::Status st = pg_->reduce_scatter(out, flat, {.op = op, .timeout = timeout(),
+                                                        .tag = absl::StrCat("fsdp reduce_scatter ", name_)})
+                            ->wait();
+      !st.ok()) {
+    return st;
+  }
+  if (divide_factor) {
+    float* o = out.data<float>();
+    const float inv = static_cast<float>(1.0 / *divide_factor);
+    for (std::int64_t k = 0; k < s; ++k) o[k] *= inv;
+  }
+  for (FSDPParam& p : params_) {
+    if (!p.sharded.requires_grad()) continue;  // frozen: the optimizer must not step it
+    const Tensor mine = out.view(p.shard_offset, p.local_shape);
+    if (const Tensor acc = p.sharded.grad(); acc.defined()) {  // accumulation over several backwards
+      float* a = acc.data<float>();
+      const float* o = mine.data<float>();
+      for (std::int64_t k = 0; k < acc.numel(); ++k) a[k] += o[k];
+    } else {
+      p.sharded.set_grad(mine);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardkit::fsdp

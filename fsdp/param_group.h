@@ -1,0 +1,91 @@
+// ParamGroup: one unit's parameters and its collectives (FSDP2's FSDPParamGroup).
+//
+// A unit is the set of parameters one fully_shard call manages. Per pass it costs one all_gather (unshard) and
+// one reduce_scatter (gradients):
+//
+//   unshard   all_gather every rank's shard buffer (the parameters' rows and padding, contiguous: no copy-in)
+//             into a gather buffer [N × S]; wait() copies each parameter's rows out of it into the parameter's
+//             unsharded tensor (copy-out), frees the gather buffer, and swaps the module registrations to the
+//             unsharded tensors.
+//   reshard   swaps the registrations back to the shards and releases the unsharded tensors' bytes.
+//   reduce    copies each unsharded gradient's rows, rank by rank, into a buffer [N × S] (zeros for padding and
+//             for parameters without a gradient), reduce_scatters it into [S], and gives each shard its rows as
+//             its gradient (added to a gradient already there: accumulation over steps); the unsharded
+//             gradients are released.
+//
+// Memory (ledger categories): the shard buffer and the unsharded tensors are `parameter`; the gather buffer and
+// the reduce_scatter input `communication_buffer`; the sharded gradients `gradient`. S includes padding:
+// Σ ceil(d0/N) · row elements over the unit's parameters.
+//
+// Thread-safety: one rank's thread. Collectives: every rank calls unshard / reduce in the same order.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/comm/process_group.h"
+#include "fsdp/fsdp_param.h"
+
+namespace shardkit::fsdp {
+
+class ParamGroup {
+ public:
+  // Takes the parameters (their current values: every rank must pass the same ones, e.g. built from the same
+  // seed) and shards them: each rank keeps its rows in the shard buffer, the registrations point at the shards.
+  // `params[i].registrations`, `names` and `global_shape` must be set; the rest is filled here.
+  ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
+             std::optional<absl::Duration> timeout);
+  ParamGroup(const ParamGroup&) = delete;
+  ParamGroup& operator=(const ParamGroup&) = delete;
+
+  // An all_gather in flight; wait() finishes the unshard (copy-out, swap). Waiting twice is a no-op.
+  class UnshardHandle {
+   public:
+    UnshardHandle() = default;
+    absl::Status wait();
+
+   private:
+    friend class ParamGroup;
+    ParamGroup* group_ = nullptr;
+    std::shared_ptr<comm::Work> work_;
+    Tensor gathered_;
+  };
+  // Starts unsharding (a no-op handle when already unsharded). Collective.
+  absl::StatusOr<UnshardHandle> unshard_async();
+  absl::Status unshard();
+  void reshard();
+  bool is_unsharded() const { return unsharded_; }
+  // While unsharded: copies this rank's rows of the unsharded parameters into the shards (values written to the
+  // full parameters, e.g. by load_state_dict, survive the next reshard()).
+  void write_back();
+
+  // Reduces the unsharded gradients into the shards' gradients (see above). `divide_factor`: the sum is
+  // divided by it (empty: by the world size, an average). Collective.
+  absl::Status reduce_grads(std::optional<double> divide_factor);
+  // Whether any unsharded gradient is defined (gradients not reduced yet).
+  bool has_unsharded_grads() const;
+  // Drops the unsharded gradients (a failed backward).
+  void drop_unsharded_grads();
+
+  const std::string& name() const { return name_; }
+  const std::vector<FSDPParam>& params() const { return params_; }
+  std::int64_t shard_numel() const { return shard_.numel(); }  // S, padding included
+  comm::ProcessGroup& process_group() const { return *pg_; }
+
+ private:
+  absl::Status finish_unshard(const Tensor& gathered);
+  absl::Duration timeout() const { return timeout_.value_or(pg_->default_timeout()); }
+
+  std::string name_;
+  std::vector<FSDPParam> params_;
+  std::shared_ptr<comm::ProcessGroup> pg_;
+  std::optional<absl::Duration> timeout_;
+  Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
+  bool unsharded_ = false;
+};
+
+}  // namespace shardkit::fsdp

@@ -1,0 +1,325 @@
+#include "fsdp/state.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/autograd/grad_mode.h"
+
+namespace shardkit::fsdp {
+namespace {
+
+// The root whose forward runs on this thread (one rank), to tell a unit outside it (Note [roots]).
+thread_local RootContext* t_forward_root = nullptr;
+
+}  // namespace
+
+// Note [post-backward on a unit's inputs]
+// When is a unit's backward over? Not "when all its parameters have gradients": whether a parameter gets
+// one can depend on the data (a branch taken on some ranks only), and ranks would then issue the unit's
+// reduce_scatter at different points of the backward (a hang). Instead a hook on each input of the unit
+// that requires grad fires when the gradient of that input is complete, which is after every node of the
+// unit ran; the engine runs a ready AccumulateGrad before any other node (Note [execution order] in
+// engine.cc), so by then every parameter used inside the unit has its gradient. That point depends only on
+// the graph, the same on every rank. The unit is reduced there, with zeros for parameters that got no
+// gradient. Reduction is linear, so a unit reduced several times in one backward (two forwards before one
+// backward) accumulates the right sum in its shards' gradients. Units without such an input (the root, whose
+// input is token ids) are reduced by the final callback, in module order. A parameter must be used only inside
+// its unit's forward (a shared parameter belongs to the common ancestor), else a gradient arriving after its
+// unit's post-backward is reduced by the final callback.
+// When a unit's input is the previous unit's output (consecutive blocks), its post-backward runs inside the
+// previous unit's pre-backward hook, before that unit is unsharded, so backward holds one unit's full
+// parameters at a time (besides the root's) rather than two.
+
+// Note [pending pre-backward hooks]
+// Each training forward registers a hook on every unit's outputs that unshards the unit before its backward.
+// Several forwards may precede their backwards (micro-batches summed into one loss, or one backward per
+// forward afterwards), so a backward must not drop the hooks of forwards whose backward has not run yet. Hooks
+// are dropped by age instead: those registered more than kPendingForwards root forwards ago (a forward whose
+// backward never ran, e.g. a loss computed with grad mode on and discarded).
+constexpr std::int64_t kPendingForwards = 8;
+
+const char* training_state_name(TrainingState s) {
+  switch (s) {
+    case TrainingState::idle: return "idle";
+    case TrainingState::forward: return "forward";
+    case TrainingState::pre_backward: return "pre_backward";
+    case TrainingState::post_backward: return "post_backward";
+    case TrainingState::summoned: return "summoned (unshard() until reshard())";
+  }
+  return "?";
+}
+
+FSDPState* state_attached(const nn::Module& module) {
+  return dynamic_cast<FSDPState*>(module.attachment(kFsdpAttachment));
+}
+
+FSDPState::FSDPState(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options,
+                     std::unique_ptr<ParamGroup> params)
+    : module_(&module), pg_(std::move(group)), options_(std::move(options)), params_(std::move(params)) {
+  module_hooks_.push_back(module_->register_forward_pre_hook(
+      [this](nn::Module&, const TensorList& inputs) -> std::optional<TensorList> {
+        pre_forward(inputs);
+        return std::nullopt;
+      }));
+  module_hooks_.push_back(module_->register_forward_hook(
+      [this](nn::Module&, const TensorList& inputs, const TensorList& outputs) -> std::optional<TensorList> {
+        post_forward(inputs, outputs);
+        return std::nullopt;
+      }));
+  if (params_ != nullptr) {
+    for (const FSDPParam& p : params_->params()) {
+      // Only to make sure the final callback is queued (a loss that does not pass through the root's output).
+      module_hooks_.push_back(autograd::register_post_accumulate_grad_hook(
+          p.unsharded, [this](const Tensor&) { in_hook([this] { ensure_final_callback(); }); }));
+    }
+  }
+}
+
+FSDPState::~FSDPState() {
+  if (ctx_ != nullptr) std::erase(ctx_->states, this);
+}
+
+std::vector<FSDPState*> FSDPState::subtree_states() const {
+  std::vector<FSDPState*> out;
+  for (const auto& [name, m] : module_->named_modules()) {
+    if (FSDPState* s = state_attached(*m)) out.push_back(s);
+  }
+  return out;
+}
+
+bool FSDPState::reshard_after_forward() const { return options_.reshard_after_forward.value_or(!is_root()); }
+
+// Note [roots]: the first state whose forward runs outside any other root's forward becomes a root and adopts
+// every state below it. A state reached first by another path (its module's forward called on its own earlier)
+// is refused, as FSDP2 does: the root must run first.
+void FSDPState::lazy_init() {
+  if (t_forward_root != nullptr) {
+    throw FsdpError(absl::FailedPreconditionError(absl::StrCat(
+        "fully_shard: a ", module_->type_name(), " sharded by fully_shard runs inside the forward of the root ",
+        t_forward_root->root->module().type_name(),
+        " but is not one of its submodules; expected every sharded module under the root")));
+  }
+  ctx_ = std::make_shared<RootContext>();
+  ctx_->root = this;
+  for (FSDPState* s : subtree_states()) {
+    if (s == this) continue;
+    if (s->ctx_ != nullptr) {
+      throw FsdpError(absl::FailedPreconditionError(absl::StrCat(
+          "fully_shard: the ", s->module().type_name(), " under root ", module_->type_name(),
+          " already ran as a root of its own (its forward was called before the root's); expected the first "
+          "forward to go through the root")));
+    }
+    s->ctx_ = ctx_;
+    ctx_->states.push_back(s);
+  }
+  ctx_->states.push_back(this);
+  ctx_->is_last_backward = pending_is_last_backward_;
+}
+
+void FSDPState::require_state(TrainingState wanted, const char* call) const {
+  if (state_ == wanted) return;
+  throw FsdpError(absl::FailedPreconditionError(absl::StrCat("fsdp: ", call, " on a ", module_->type_name(),
+                                                             " in training state ", training_state_name(state_),
+                                                             "; expected ", training_state_name(wanted))));
+}
+
+absl::Status FSDPState::unshard_unit() {
+  if (params_ == nullptr || state_ == TrainingState::summoned) return absl::OkStatus();
+  if (absl::Status s = wait_unshard(); !s.ok()) return s;
+  return params_->unshard();
+}
+
+absl::Status FSDPState::wait_unshard() {
+  if (!pending_unshard_) return absl::OkStatus();
+  absl::Status s = pending_unshard_->wait();
+  pending_unshard_.reset();
+  return s;
+}
+
+absl::Status FSDPState::start_unshard() {
+  if (state_ != TrainingState::idle) {
+    return absl::FailedPreconditionError(absl::StrCat("fsdp: unshard() on a ", module_->type_name(), " in training state ",
+                                                      training_state_name(state_), "; expected idle"));
+  }
+  if (params_ == nullptr || pending_unshard_ || params_->is_unsharded()) return absl::OkStatus();
+  auto h = params_->unshard_async();
+  if (!h.ok()) return h.status();
+  pending_unshard_ = std::move(*h);
+  return absl::OkStatus();
+}
+
+void FSDPState::reshard_unit() {
+  if (params_ == nullptr || state_ == TrainingState::summoned) return;
+  if (pending_unshard_) (void)wait_unshard();  // (its bytes are released right after)
+  params_->reshard();
+}
+
+void FSDPState::pre_forward(const TensorList& inputs) {
+  if (ctx_ == nullptr) lazy_init();
+  if (state_ == TrainingState::summoned) return;  // gathers and releases nothing until reshard()
+  if (is_root()) {
+    // A backward that ended without its final callback (a hook threw): start clean.
+    if (ctx_->in_backward && !autograd::is_backward_running()) reset_backward_state();
+    ++ctx_->forwards;
+    for (FSDPState* s : ctx_->states) {
+      std::erase_if(s->backward_hooks_, [&](const BackwardHook& h) { return h.forward <= ctx_->forwards - kPendingForwards; });
+    }
+    ctx_->unit_outputs.clear();
+    t_forward_root = ctx_.get();
+  }
+  require_state(TrainingState::idle, "forward");
+  state_ = TrainingState::forward;
+  if (absl::Status s = unshard_unit(); !s.ok()) throw FsdpError(std::move(s));
+  if (is_root() || !autograd::is_grad_enabled()) return;
+  for (const Tensor& t : inputs) {  // Note [post-backward on a unit's inputs]
+    if (!t.defined() || !t.requires_grad()) continue;
+    if (auto it = ctx_->unit_outputs.find(t.id()); it != ctx_->unit_outputs.end()) {
+      it->second.reduce_first->push_back(this);  // the previous unit's pre-backward hook reduces this unit first
+      continue;
+    }
+    backward_hooks_.push_back({ctx_->forwards, autograd::register_hook(t, [this](const Tensor&) -> std::optional<Tensor> {
+                                 post_backward();
+                                 return std::nullopt;
+                               })});
+  }
+}
+
+void FSDPState::post_forward(const TensorList&, const TensorList& outputs) {
+  if (state_ == TrainingState::summoned) return;
+  const bool grad_follows =
+      std::any_of(outputs.begin(), outputs.end(), [](const Tensor& t) { return t.defined() && t.requires_grad(); });
+  if (!grad_follows || reshard_after_forward()) reshard_unit();  // (no gradient follows: no backward needs them)
+  state_ = TrainingState::idle;
+  if (is_root()) {
+    ctx_->unit_outputs.clear();  // the forward is over
+    t_forward_root = nullptr;
+  }
+  if (!grad_follows) return;
+  for (const Tensor& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    auto reduce_first = std::make_shared<std::vector<FSDPState*>>();
+    if (!is_root()) ctx_->unit_outputs[t.id()] = {t, reduce_first};
+    backward_hooks_.push_back(
+        {ctx_->forwards, autograd::register_hook(t, [this, reduce_first](const Tensor&) -> std::optional<Tensor> {
+           pre_backward(reduce_first);
+           return std::nullopt;
+         })});
+  }
+}
+
+void FSDPState::pre_backward(const std::shared_ptr<std::vector<FSDPState*>>& reduce_first) {
+  in_hook([&] {
+    ensure_final_callback();
+    for (FSDPState* next : *reduce_first) next->reduce_unit();  // their post-backward
+    if (state_ == TrainingState::summoned) return;
+    if (absl::Status s = unshard_unit(); !s.ok()) throw FsdpError(std::move(s));
+    state_ = TrainingState::pre_backward;
+  });
+}
+
+void FSDPState::post_backward() {
+  in_hook([&] {
+    ensure_final_callback();
+    reduce_unit();
+  });
+}
+
+void FSDPState::reduce_unit() {
+  if (state_ == TrainingState::summoned) return;
+  reduced_ = true;
+  state_ = TrainingState::post_backward;
+  // Sync off (accumulation): the full gradients stay on the unsharded parameters until a synchronised backward.
+  if (params_ != nullptr && requires_gradient_sync_) {
+    if (absl::Status s = params_->reduce_grads(divide_factor_); !s.ok()) throw FsdpError(std::move(s));
+  }
+  if (reshard_after_backward_) reshard_unit();
+  state_ = TrainingState::idle;
+}
+
+void FSDPState::ensure_final_callback() {
+  if (ctx_->in_backward) return;
+  ctx_->in_backward = true;
+  for (FSDPState* s : ctx_->states) s->reduced_ = false;
+  FSDPState* root = ctx_->root;
+  autograd::queue_callback([root] { root->in_hook([root] { root->finalize_backward(); }); });
+}
+
+void FSDPState::finalize_backward() {
+  // Units with no post-backward in this backward, and units whose gradients arrived after it: every rank reduces
+  // them, in module order (Note [post-backward on a unit's inputs]).
+  for (FSDPState* s : ctx_->states) {
+    if (s->state_ == TrainingState::summoned) continue;
+    const bool late = s->requires_gradient_sync_ && s->params_ != nullptr && s->params_->has_unsharded_grads();
+    if (!s->reduced_ || late) s->reduce_unit();
+  }
+  for (FSDPState* s : ctx_->states) {
+    if (s->state_ == TrainingState::summoned) continue;
+    if (s->reshard_after_backward_ && ctx_->is_last_backward) s->reshard_unit();
+    s->state_ = TrainingState::idle;
+  }
+  ctx_->in_backward = false;  // (pending hooks stay: Note [pending pre-backward hooks])
+}
+
+void FSDPState::reset_backward_state() {
+  if (ctx_ == nullptr) return;
+  ctx_->in_backward = false;
+  for (FSDPState* s : ctx_->states) {
+    if (s->params_ != nullptr) s->params_->drop_unsharded_grads();  // partial gradients of the failed backward
+    s->reduced_ = false;
+    if (s->state_ != TrainingState::summoned) s->state_ = TrainingState::idle;
+  }
+}
+
+// A hook that throws ends the backward without its final callback (the engine drops its queue): forget this
+// backward's state, so the next one starts clean. Units stay as they are; the next forward unshards what it needs.
+void FSDPState::in_hook(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (...) {
+    reset_backward_state();
+    throw;
+  }
+}
+
+void FSDPState::set_is_last_backward(bool last) {
+  if (ctx_ != nullptr) ctx_->is_last_backward = last;
+  pending_is_last_backward_ = last;
+}
+
+absl::Status FSDPState::summon() {
+  const std::vector<FSDPState*> targets = subtree_states();
+  for (FSDPState* s : targets) {
+    if (s->state_ != TrainingState::idle && s->state_ != TrainingState::summoned) {
+      return absl::FailedPreconditionError(absl::StrCat("fsdp: unshard() on a ", s->module_->type_name(),
+                                                        " in training state ", training_state_name(s->state_),
+                                                        "; expected idle (between steps)"));
+    }
+  }
+  for (FSDPState* s : targets) {
+    if (s->state_ == TrainingState::summoned) continue;
+    if (absl::Status st = s->unshard_unit(); !st.ok()) return st;
+    s->state_ = TrainingState::summoned;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FSDPState::reshard(bool recurse) {
+  std::vector<FSDPState*> targets = recurse ? subtree_states() : std::vector<FSDPState*>{this};
+  for (FSDPState* s : targets) {
+    if (s->state_ != TrainingState::idle && s->state_ != TrainingState::summoned) {
+      return absl::FailedPreconditionError(absl::StrCat("fsdp: reshard() on a ", s->module_->type_name(),
+                                                        " in training state ", training_state_name(s->state_),
+                                                        "; expected idle or summoned (between steps)"));
+    }
+  }
+  for (FSDPState* s : targets) {
+    if (s->state_ == TrainingState::summoned) {
+      s->state_ = TrainingState::idle;
+      if (s->params_ != nullptr) s->params_->write_back();  // values written meanwhile (load_state_dict) are kept
+    }
+    s->reshard_unit();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardkit::fsdp

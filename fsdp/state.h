@@ -1,0 +1,146 @@
+// FSDPState: what fully_shard attaches to a module, its hooks, and the training-state machine
+// (FSDP2's FSDPState; seed 001's TrainingState).
+//
+// Roots. The first fully_shard'ed module whose forward runs, outside any other's forward, becomes a *root*
+// (lazily, as FSDP2): it finds the states of its submodules and shares one RootContext with them. The root
+// owns what spans a whole step: the count of forwards, the map of unit outputs (Note [post-backward on a
+// unit's inputs]) and the final callback of backward.
+//
+// Training states, per unit (TrainingState) — a call that needs another state is refused with a Status naming
+// both:
+//   idle            at rest (sharded) or unsharded between passes
+//   forward         between the unit's pre-forward and post-forward hooks
+//   pre_backward    its pre-backward hook ran (unsharded for its backward)
+//   post_backward   its gradients are being reduced
+//   summoned        unsharded by the user (FSDPModule::unshard(recurse)): forwards and backwards on any
+//                   subset of ranks gather and release nothing until reshard()
+//
+// Hooks (named member functions, registered once by fully_shard):
+//   pre_forward      root: start a step (age pending hooks, reset a backward that ended without its final
+//                    callback); every unit: unshard (wait), hook its inputs for its post-backward
+//   post_forward     reshard (reshard_after_forward, or no gradient follows), hook its outputs for its
+//                    pre-backward
+//   pre_backward     (a tensor hook on the outputs) reduce the units whose inputs are these outputs, unshard
+//   post_backward    (a tensor hook on the inputs) reduce the unit's gradients, reshard
+//   final callback   (queued by the first backward hook) reduce every unit not reduced yet, reshard, idle
+//
+// Errors inside hooks are thrown as FsdpError (an autograd::StatusError): autograd::try_backward returns the
+// Status, and a forward propagates it.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/autograd/engine.h"
+#include "common/autograd/hooks.h"
+#include "common/comm/process_group.h"
+#include "common/nn/module.h"
+#include "fsdp/fully_shard_options.h"
+#include "fsdp/param_group.h"
+
+namespace shardkit::fsdp {
+
+using nn::TensorList;
+
+class FsdpError : public autograd::StatusError {
+ public:
+  using autograd::StatusError::StatusError;
+};
+
+enum class TrainingState { idle, forward, pre_backward, post_backward, summoned };
+const char* training_state_name(TrainingState s);
+
+inline constexpr const char* kFsdpAttachment = "fsdp";
+
+class FSDPState;
+
+// Shared by a root and every state under it.
+struct RootContext {
+  FSDPState* root = nullptr;
+  std::vector<FSDPState*> states;  // every state under the root (the root last), in module order
+  std::int64_t forwards = 0;       // root forwards so far (ages pending backward hooks)
+  bool in_backward = false;
+  bool forward_running = false;
+  bool is_last_backward = true;
+  struct UnitOutput {
+    Tensor tensor;  // held so its id is not reused during the forward
+    std::shared_ptr<std::vector<FSDPState*>> reduce_first;
+  };
+  std::map<const TensorImpl*, UnitOutput> unit_outputs;
+};
+
+class FSDPState : public nn::Module::Attachment {
+ public:
+  FSDPState(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options,
+            std::unique_ptr<ParamGroup> params);
+  ~FSDPState() override;
+
+  nn::Module& module() const { return *module_; }
+  // The unit's parameters; nullptr when the call found none to manage.
+  ParamGroup* param_group() const { return params_.get(); }
+  comm::ProcessGroup& process_group() const { return *pg_; }
+  const std::shared_ptr<comm::ProcessGroup>& group_ptr() const { return pg_; }
+  const FullyShardOptions& options() const { return options_; }
+  TrainingState training_state() const { return state_; }
+  bool is_root() const { return ctx_ != nullptr && ctx_->root == this; }
+  // The root's context, made by the first forward (nullptr before).
+  RootContext* context() const { return ctx_.get(); }
+  // The states of `module` and its submodules (this one included), in module order.
+  std::vector<FSDPState*> subtree_states() const;
+
+  // FSDPModule's methods (fully_shard.h documents them).
+  absl::Status start_unshard();  // async, this unit only; the forward (or wait_unshard) finishes it
+  absl::Status wait_unshard();
+  absl::Status summon();         // every unit of the subtree, pinned
+  absl::Status reshard(bool recurse);
+  void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
+  bool requires_gradient_sync() const { return requires_gradient_sync_; }
+  void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
+  void set_reduce_scatter_divide_factor(std::optional<double> f) { divide_factor_ = f; }
+  void set_is_last_backward(bool last);
+
+  void pre_forward(const TensorList& inputs);
+  void post_forward(const TensorList& inputs, const TensorList& outputs);
+
+ private:
+  void lazy_init();
+  bool reshard_after_forward() const;
+  absl::Status unshard_unit();
+  void reshard_unit();
+  void reduce_unit();
+  void pre_backward(const std::shared_ptr<std::vector<FSDPState*>>& reduce_first);
+  void post_backward();
+  void ensure_final_callback();
+  void finalize_backward();
+  void reset_backward_state();
+  void in_hook(const std::function<void()>& body);
+  void require_state(TrainingState wanted, const char* call) const;
+
+  nn::Module* module_;
+  std::shared_ptr<comm::ProcessGroup> pg_;
+  FullyShardOptions options_;
+  std::unique_ptr<ParamGroup> params_;
+  std::optional<ParamGroup::UnshardHandle> pending_unshard_;
+  std::shared_ptr<RootContext> ctx_;
+  TrainingState state_ = TrainingState::idle;
+  bool requires_gradient_sync_ = true;
+  bool reshard_after_backward_ = true;
+  std::optional<double> divide_factor_;
+  bool reduced_ = false;  // in the current backward
+  bool pending_is_last_backward_ = true;
+  std::vector<autograd::HookHandle> module_hooks_;
+  struct BackwardHook {
+    std::int64_t forward = 0;  // the root forward that registered it
+    autograd::HookHandle handle;
+  };
+  std::vector<BackwardHook> backward_hooks_;  // Note [pending pre-backward hooks]
+};
+
+// The state fully_shard attached to `module`, or nullptr.
+FSDPState* state_attached(const nn::Module& module);
+
+}  // namespace shardkit::fsdp
