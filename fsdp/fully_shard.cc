@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/nn/deferred_init.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -34,7 +35,8 @@ absl::StatusOr<std::vector<FSDPParam>> params_to_manage(nn::Module& module, cons
         out[it->second].registrations.emplace_back(m, lname);
         continue;
       }
-      if (t.storage_released()) {
+      const nn::DeferredInit* deferred = nn::current_deferred_init();
+      if (t.storage_released() && (deferred == nullptr || !deferred->is_deferred(t))) {
         return absl::InvalidArgumentError(absl::StrCat(
             "fully_shard: parameter '", fqn, "' of this ", module.type_name(),
             " has no bytes: another fully_shard call already sharded it; a parameter shared by two units belongs to "

@@ -19,6 +19,17 @@
 // state. One all_gather per unit before its forward and (reshard_after_forward) again before its backward, one
 // reduce_scatter of its gradients after its backward (fsdp/param_group.h).
 //
+// Deferred initialisation (issue 12 item 8): build the model inside an nn::DeferredInitScope (its parameters
+// get shapes and recipes but no bytes) and call fully_shard inside the same scope: each parameter is
+// materialised with exactly the values eager init gives (same seed: bitwise), its rows kept, its bytes released
+// at once (Note [deferred init under fully_shard] in param_group.cc), so no rank ever holds the whole model: the
+// ledger's construction peak is the shards plus the largest parameter.
+//
+//   nn::DeferredInit deferred;
+//   nn::DeferredInitScope scope(deferred);
+//   nn::GPT model(config, seed);                 // no parameter bytes
+//   ... fully_shard(blocks), fully_shard(model) ...   // each rank: its rows only
+//
 // Rules (each breach is a Status from fully_shard, or an FsdpError from the forward that finds it):
 //   * call bottom-up, each module at most once; a container without a forward of its own (ModuleList) cannot be a
 //     unit (shard the modules it holds, or the module that calls them);

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/nn/deferred_init.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -36,11 +37,17 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
   const TensorOptions param_opts = TensorOptions{}.with_category(MemoryCategory::parameter);
   shard_ = Tensor::zeros({s}, param_opts);
   float* shard = shard_.data<float>();
+  nn::DeferredInit* deferred = nn::current_deferred_init();
   for (FSDPParam& p : params_) {
     const Tensor& full = p.registrations.front().first->parameter(p.registrations.front().second);
     SK_CHECK(full.shape() == p.global_shape && full.dtype() == DType::f32) << "fsdp: " << full.describe();
+    // Note [deferred init under fully_shard]: a parameter built without storage is materialised here, its rows
+    // copied and its bytes released at once, so construction never holds more than the shards and one parameter.
+    const bool was_deferred = deferred != nullptr && deferred->is_deferred(full);
+    if (was_deferred) deferred->materialize(full);
     copy_rows(shard + p.shard_offset, full.data<float>() + p.split.row_offset * p.split.row_numel, p.split.local_rows,
               p.split.row_numel);
+    if (was_deferred && full.nbytes() > 0) full.release_storage();
     p.sharded = shard_.view(p.shard_offset, p.local_shape);
     p.sharded.set_requires_grad(true);
     p.unsharded = Tensor::empty(p.global_shape, param_opts);
