@@ -24,6 +24,7 @@ absl::StatusOr<std::vector<FSDPParam>> params_to_manage(nn::Module& module, cons
     for (const FSDPParam& p : nested->param_group()->params()) skip.insert(p.sharded.id()), skip.insert(p.unsharded.id());
   }
   for (const Tensor& t : options.ignored_params) skip.insert(t.id());
+  for (const Tensor& t : options.leave_to_ancestor) skip.insert(t.id());  // an ancestor's call takes them
   std::vector<FSDPParam> out;
   std::map<const TensorImpl*, std::size_t> index;
   for (const auto& [mname, m] : module.named_modules()) {
@@ -78,6 +79,16 @@ absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm:
                                                       " is already sharded; expected one fully_shard call per module"));
   }
   if (group == nullptr) return absl::InvalidArgumentError("fully_shard: expected a process group, found none");
+  int reshard_group = 0;  // Note [reshard to a k-group] in param_group.h
+  if (options.reshard_after_forward && std::holds_alternative<int>(*options.reshard_after_forward)) {
+    reshard_group = std::get<int>(*options.reshard_after_forward);
+    const int world = group->size();
+    if (!(reshard_group > 1 && reshard_group < world && world % reshard_group == 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("fully_shard: expected reshard_after_forward = k with 1 < k < ",
+                                                     world, " and k dividing the group size ", world, ", found ",
+                                                     reshard_group));
+    }
+  }
   auto params = params_to_manage(module, options);
   if (!params.ok()) return params.status();
   std::vector<Tensor> originals;
@@ -86,6 +97,9 @@ absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm:
   if (!params->empty()) {
     pg = std::make_unique<ParamGroup>(absl::StrCat(module.type_name(), " '", params->front().names.front(), "'..."),
                                       std::move(*params), group, options.timeout);
+  }
+  if (pg != nullptr && reshard_group > 0) {
+    if (absl::Status s = pg->enable_group_reshard(reshard_group); !s.ok()) return s;  // collective (a split)
   }
   // The full tensors are no longer the module's: free their bytes now (a registration outside this subtree, a
   // parameter shared with a sibling unit, is then refused by that unit's fully_shard instead of silently untied).

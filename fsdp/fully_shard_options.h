@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <variant>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -10,13 +11,20 @@
 namespace shardkit::fsdp {
 
 struct FullyShardOptions {
-  // Release the unit's unsharded parameters after its forward (all-gathered again before its backward).
+  // After the unit's forward: true releases its unsharded parameters (all-gathered again, over the whole group,
+  // before its backward); false keeps them from forward to the end of backward (less communication, more
+  // memory); an int k (a divisor of the group size, 1 < k < N) keeps them sharded over groups of k consecutive
+  // ranks, so backward all-gathers within its k-group only (Note [reshard to a k-group] in param_group.h).
   // Empty: FSDP2's heuristic, true for every unit but the root (whose parameters backward needs first).
-  // false keeps them from forward to the end of backward: less communication, more memory.
-  std::optional<bool> reshard_after_forward = std::nullopt;
+  std::optional<std::variant<bool, int>> reshard_after_forward = std::nullopt;
   // Parameters this call leaves alone (FSDP's ignored_params): they stay replicated, whole on every rank, and
   // FSDP neither shards nor reduces their gradients (the training loop must, if it wants them averaged).
   std::vector<Tensor> ignored_params = {};
+  // Parameters this call leaves for a later fully_shard call on an ancestor module: a parameter this module
+  // shares with modules outside it belongs to their common ancestor's unit (fsdp::auto_shard fills this from its
+  // plan, fsdp/wrap_policy.h). Untouched until the ancestor's call takes them; if no such call comes, they stay
+  // whole and unreduced like ignored_params.
+  std::vector<Tensor> leave_to_ancestor = {};
   // Deadline of each collective; empty: the group's default.
   std::optional<absl::Duration> timeout = std::nullopt;
 };

@@ -57,10 +57,52 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
   }
 }
 
+absl::Status ParamGroup::enable_group_reshard(int k) {
+  SK_CHECK(k > 1 && k < pg_->size() && pg_->size() % k == 0) << "fsdp: reshard group " << k;  // (fully_shard checks)
+  auto sub = pg_->split(pg_->rank() / k, pg_->rank(), {.name = absl::StrCat(pg_->name(), "/reshard", k)});
+  if (!sub.ok()) return sub.status();
+  k_ = k;
+  kgroup_ = std::move(*sub);
+  std::int64_t s = 0;
+  for (const FSDPParam& p : params_) {
+    k_offsets_.push_back(s);
+    const RowSplit rs = split_rows(p.global_shape, 0, k);
+    s += rs.rows_per_rank * rs.row_numel;
+  }
+  kshard_ = Tensor::zeros({s}, TensorOptions{}.with_category(MemoryCategory::parameter));
+  kshard_.release_storage();
+  return absl::OkStatus();
+}
+
+void ParamGroup::reshard_to_group() {
+  SK_CHECK(k_ > 0 && unsharded_) << "fsdp: reshard_to_group on " << name_;
+  kshard_.reallocate_storage();
+  float* out = kshard_.data<float>();
+  const int i = kgroup_->rank();
+  for (std::size_t j = 0; j < params_.size(); ++j) {
+    const FSDPParam& p = params_[j];
+    const RowSplit rs = split_rows(p.global_shape, i, k_);
+    float* dst = out + k_offsets_[j];
+    std::memset(dst, 0, static_cast<std::size_t>(rs.rows_per_rank * rs.row_numel) * sizeof(float));
+    copy_rows(dst, p.unsharded.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
+  }
+  for (FSDPParam& p : params_) {
+    p.register_as(p.sharded);
+    p.unsharded.release_storage();
+  }
+  unsharded_ = false;
+  k_resharded_ = true;
+}
+
 absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async() {
   UnshardHandle h;
   if (unsharded_) return h;
   h.group_ = this;
+  if (k_resharded_) {  // Note [reshard to a k-group]: gather within the k-group
+    h.gathered_ = Tensor::empty({kshard_.numel() * k_}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+    h.work_ = kgroup_->all_gather(h.gathered_, kshard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_)});
+    return h;
+  }
   h.gathered_ = Tensor::empty({shard_.numel() * pg_->size()},
                               TensorOptions{}.with_category(MemoryCategory::communication_buffer));
   h.work_ = pg_->all_gather(h.gathered_, shard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)});
@@ -79,18 +121,26 @@ absl::Status ParamGroup::UnshardHandle::wait() {
 }
 
 absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
-  const std::int64_t s = shard_.numel();
-  const int world = pg_->size();
+  // From the k-group's k-shards (Note [reshard to a k-group]) or from every rank's shard.
+  const bool from_k = k_resharded_;
+  const std::int64_t s = from_k ? kshard_.numel() : shard_.numel();
+  const int parts = from_k ? k_ : pg_->size();
   const float* in = gathered.data<float>();
-  for (FSDPParam& p : params_) {
+  for (std::size_t j = 0; j < params_.size(); ++j) {
+    FSDPParam& p = params_[j];
     p.unsharded.reallocate_storage();
     p.unsharded.set_requires_grad(p.sharded.requires_grad());  // frozen after fully_shard: no gradient
     float* out = p.unsharded.data<float>();
-    for (int r = 0; r < world; ++r) {
-      const RowSplit rs = split_rows(p.global_shape, r, world);
-      copy_rows(out + rs.row_offset * rs.row_numel, in + r * s + p.shard_offset, rs.local_rows, rs.row_numel);
+    const std::int64_t offset = from_k ? k_offsets_[j] : p.shard_offset;
+    for (int r = 0; r < parts; ++r) {
+      const RowSplit rs = split_rows(p.global_shape, r, parts);
+      copy_rows(out + rs.row_offset * rs.row_numel, in + r * s + offset, rs.local_rows, rs.row_numel);
     }
     p.register_as(p.unsharded);
+  }
+  if (from_k) {
+    kshard_.release_storage();
+    k_resharded_ = false;
   }
   unsharded_ = true;
   return absl::OkStatus();
@@ -103,6 +153,10 @@ absl::Status ParamGroup::unshard() {
 }
 
 void ParamGroup::reshard() {
+  if (k_resharded_) {  // a full reshard drops the k-shards
+    kshard_.release_storage();
+    k_resharded_ = false;
+  }
   if (!unsharded_) return;
   for (FSDPParam& p : params_) {
     p.register_as(p.sharded);

@@ -54,7 +54,20 @@ class ParamGroup {
     std::shared_ptr<comm::Work> work_;
     Tensor gathered_;
   };
-  // Starts unsharding (a no-op handle when already unsharded). Collective.
+  // Note [reshard to a k-group]
+  // reshard_after_forward = k: after forward each rank keeps, besides its shard, its part of the parameters split
+  // over the k ranks of its k-group (ranks [g·k, g·k + k)), the same dim-0 rule with k in place of N (the
+  // "k-shard", MemoryCategory::parameter, about Ψ_unit/k); the unsharded tensors are released. The next unshard
+  // (before backward) all-gathers the k-shards within the k-group only, not the whole group. A full reshard (after
+  // backward) drops the k-shards.
+  // Makes the unit able to reshard to k-groups: splits the group (a collective: every rank calls it, in the
+  // same order). Requires 1 < k < N with k dividing N (fully_shard checks it).
+  absl::Status enable_group_reshard(int k);
+  // After forward, while unsharded: keep this rank's k-shard, release the unsharded tensors.
+  void reshard_to_group();
+
+  // Starts unsharding (a no-op handle when already unsharded). Collective (over the k-group after
+  // reshard_to_group(), else over the whole group).
   absl::StatusOr<UnshardHandle> unshard_async();
   absl::Status unshard();
   void reshard();
@@ -86,6 +99,12 @@ class ParamGroup {
   std::optional<absl::Duration> timeout_;
   Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
   bool unsharded_ = false;
+  // Note [reshard to a k-group]
+  int k_ = 0;                                  // 0: not enabled
+  std::shared_ptr<comm::ProcessGroup> kgroup_;
+  std::vector<std::int64_t> k_offsets_;        // each parameter's offset in the k-shard
+  Tensor kshard_;                              // released unless k-resharded
+  bool k_resharded_ = false;
 };
 
 }  // namespace shardkit::fsdp

@@ -87,7 +87,16 @@ std::vector<FSDPState*> FSDPState::subtree_states() const {
   return out;
 }
 
-bool FSDPState::reshard_after_forward() const { return options_.reshard_after_forward.value_or(!is_root()); }
+bool FSDPState::reshard_after_forward() const {
+  if (!options_.reshard_after_forward) return !is_root();
+  const auto& v = *options_.reshard_after_forward;
+  return std::holds_alternative<bool>(v) ? std::get<bool>(v) : false;
+}
+
+int FSDPState::reshard_after_forward_group() const {
+  const auto& v = options_.reshard_after_forward;
+  return v && std::holds_alternative<int>(*v) ? std::get<int>(*v) : 0;
+}
 
 // Note [roots]: the first state whose forward runs outside any other root's forward becomes a root and adopts
 // every state below it. A state reached first by another path (its module's forward called on its own earlier)
@@ -188,7 +197,11 @@ void FSDPState::post_forward(const TensorList&, const TensorList& outputs) {
   if (state_ == TrainingState::summoned) return;
   const bool grad_follows =
       std::any_of(outputs.begin(), outputs.end(), [](const Tensor& t) { return t.defined() && t.requires_grad(); });
-  if (!grad_follows || reshard_after_forward()) reshard_unit();  // (no gradient follows: no backward needs them)
+  if (!grad_follows || reshard_after_forward()) {
+    reshard_unit();  // (no gradient follows: no backward needs them)
+  } else if (reshard_after_forward_group() > 0 && params_ != nullptr && params_->is_unsharded()) {
+    params_->reshard_to_group();  // Note [reshard to a k-group] in param_group.h
+  }
   state_ = TrainingState::idle;
   if (is_root()) {
     ctx_->unit_outputs.clear();  // the forward is over

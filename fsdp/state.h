@@ -108,7 +108,8 @@ class FSDPState : public nn::Module::Attachment {
 
  private:
   void lazy_init();
-  bool reshard_after_forward() const;
+  bool reshard_after_forward() const;      // the bool form (the root's default: false)
+  int reshard_after_forward_group() const;  // k of the int form, 0 otherwise
   absl::Status unshard_unit();
   void reshard_unit();
   void reduce_unit();

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "common/autograd/grad_mode.h"
@@ -33,7 +35,7 @@ enum class Passes { one, two_forwards, two_backwards, forwards_then_backwards };
 
 struct Case {
   int world;
-  std::optional<bool> reshard_after_forward;
+  std::optional<std::variant<bool, int>> reshard_after_forward;
   Passes passes = Passes::one;
   bool nested = false;  // every block's MLP a unit of its own inside the block's unit
 };
@@ -90,6 +92,72 @@ TEST_P(FsdpGpt, EqualsSingleRankOnTheWholeBatch) {
   const auto [world, reshard, nested] = GetParam();
   static const auto want = gpt_tiny::Reference(20);
   gpt_tiny::ExpectMatches(TrainSharded({world, reshard, Passes::one, nested}, 20), want, 2e-5);
+}
+
+// reshard_after_forward = k (Note [reshard to a k-group]): k = 2 at N = 4 and 8, k = 4 at N = 8, units per block or
+// nested; equal to single-rank training.
+TEST(FsdpGptGroupReshard, EqualsSingleRankAtFourAndEight) {
+  static const auto want = gpt_tiny::Reference(20);
+  for (const auto& [world, k] : {std::pair{4, 2}, std::pair{8, 2}, std::pair{8, 4}}) {
+    for (const bool nested : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << world << " k=" << k << " nested " << nested);
+      gpt_tiny::ExpectMatches(TrainSharded({world, k, Passes::one, nested}, 20), want, 2e-5);
+    }
+  }
+}
+
+// With k = 2 at N = 4, backward gathers every block within its pair of ranks: no all_gather on the world group
+// during backward (true: one per block), and each rank holds a block's k-shard (about half a block) between
+// forward and backward instead of nothing (exact ledger figures).
+TEST(FsdpGptGroupReshard, BackwardGathersWithinTheGroup) {
+  for (const std::variant<bool, int> reshard : {std::variant<bool, int>(true), std::variant<bool, int>(2)}) {
+    absl::Status st = comm::RunRanks(4, [&](comm::RankEnv& env) -> absl::Status {
+      MemoryTracker& mem = *env.context.memory;
+      nn::GPT model(TinyConfig(), 1);
+      // Between forward and backward: the root (kept, FSDP2's default) and, with k = 2, each block's k-shard.
+      const std::int64_t block_numel = (*model.blocks)[0]->num_parameters();
+      const std::int64_t root_numel = model.num_parameters() - 3 * block_numel;
+      std::int64_t kshard = 0;
+      for (const Tensor& p : (*model.blocks)[0]->parameters()) {
+        const RowSplit rs = split_rows(p.shape(), 0, 2);
+        kshard += rs.rows_per_rank * rs.row_numel;
+      }
+      if (absl::Status s = test_util::ShardGpt(model, env, {.reshard_after_forward = reshard}); !s.ok()) return s;
+      const std::int64_t at_rest = mem.current(MemoryCategory::parameter);
+      auto [x, y] = Batch(0, env.rank * 6, 6);
+      Tensor loss = model.loss(x, y);
+      const std::int64_t after_forward = mem.current(MemoryCategory::parameter) - at_rest;
+      const auto before = env.group.counters();
+      if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
+      const auto gathers = env.group.counters().since(before).of(comm::CollectiveKind::all_gather).calls;
+      if (std::holds_alternative<int>(reshard)) {
+        EXPECT_EQ(gathers, 0) << "backward gathers within the k-group";
+        EXPECT_EQ(after_forward, 4 * (root_numel + 3 * kshard)) << "the root and each block's k-shard";
+        EXPECT_LT(kshard, block_numel) << "a k-shard is a part of a block";
+      } else {
+        EXPECT_EQ(gathers, 3) << "one all_gather per block";
+        EXPECT_EQ(after_forward, 4 * root_numel) << "the root only";
+      }
+      EXPECT_EQ(mem.current(MemoryCategory::parameter), at_rest) << "after backward: shards only";
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(st.ok()) << st;
+  }
+}
+
+TEST(FsdpErrors, ReshardToAGroupThatDoesNotDivideTheWorld) {
+  absl::Status st = comm::RunRanks(4, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    for (const int k : {3, 4, 1}) {
+      auto s = fully_shard(*(*model.blocks)[0], env.group_ptr, {.reshard_after_forward = k});
+      EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(s.status().message()),
+                  ::testing::HasSubstr("expected reshard_after_forward = k with 1 < k < 4 and k dividing the group "
+                                       "size 4, found " + std::to_string(k)));
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
 }
 
 // Several forwards before one backward, and gradients accumulated over two backwards, at n = 2 and 4 (rows
