@@ -158,6 +158,15 @@ std::vector<ShardedTensor> sharded_parameters(const nn::Module& root) {
   return out;
 }
 
+absl::Status register_forward_method(nn::Module& module, const std::string& name) {
+  if (state_attached(module) == nullptr) {
+    return absl::NotFoundError(absl::StrCat("fsdp: register_forward_method('", name, "'): this ", module.type_name(),
+                                            " was not sharded by fully_shard"));
+  }
+  module.register_forward_method(name);
+  return absl::OkStatus();
+}
+
 std::vector<nn::Module*> modules_of_type(nn::Module& root, const std::string& type) {
   std::vector<nn::Module*> out;
   for (const auto& [name, m] : root.named_modules()) {

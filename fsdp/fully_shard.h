@@ -126,6 +126,11 @@ absl::StatusOr<FSDPModule> state_of(nn::Module& module);
 // Every sharded parameter under `root` (each once), with its global shape and offset.
 std::vector<ShardedTensor> sharded_parameters(const nn::Module& root);
 
+// Makes `module`'s method `name` run FSDP's forward hooks (gather before, release after) when it runs through
+// nn::Module::run_method (FSDP2's register_fsdp_forward_method), e.g. a generate() that reads the parameters
+// directly. NotFound when `module` is not a unit.
+absl::Status register_forward_method(nn::Module& module, const std::string& name);
+
 // The modules of `root` (root excluded) whose type_name() is `type`, in module order (e.g. "TransformerBlock").
 std::vector<nn::Module*> modules_of_type(nn::Module& root, const std::string& type);
 

@@ -1,5 +1,6 @@
 #include "common/nn/module.h"
 
+#include <algorithm>
 #include <map>
 
 #include "absl/container/flat_hash_map.h"
@@ -37,15 +38,33 @@ Tensor Module::operator()(const Tensor& x) {
 
 TensorList Module::call(const TensorList& inputs) {
   if (pre_hooks_->empty() && post_hooks_->empty()) return forward_list(inputs);
+  return run_hooked(inputs, [this](const TensorList& in) { return forward_list(in); });
+}
+
+TensorList Module::run_hooked(const TensorList& inputs, const std::function<TensorList(const TensorList&)>& body) {
   TensorList in = inputs;
   pre_hooks_->for_each([&](const ForwardPreHook& hook) {
     if (std::optional<TensorList> replaced = hook(*this, in)) in = std::move(*replaced);
   });
-  TensorList out = forward_list(in);
+  TensorList out = body(in);
   post_hooks_->for_each([&](const ForwardHook& hook) {
     if (std::optional<TensorList> replaced = hook(*this, in, out)) out = std::move(*replaced);
   });
   return out;
+}
+
+void Module::register_forward_method(const std::string& name) {
+  if (!is_forward_method(name)) forward_methods_.push_back(name);
+}
+
+bool Module::is_forward_method(const std::string& name) const {
+  return std::find(forward_methods_.begin(), forward_methods_.end(), name) != forward_methods_.end();
+}
+
+TensorList Module::run_method(const std::string& name, const TensorList& inputs,
+                              const std::function<TensorList(const TensorList&)>& body) {
+  if (!is_forward_method(name)) return body(inputs);
+  return run_hooked(inputs, body);
 }
 
 Tensor Module::forward(const Tensor&) {

@@ -139,6 +139,16 @@ class Module {
   HookHandle register_forward_pre_hook(ForwardPreHook hook);
   HookHandle register_forward_hook(ForwardHook hook);
 
+  // Methods other than forward (generate, encode) that must run like a forward, with the forward pre-hooks
+  // before and the forward hooks after (a composable API gathers parameters there: FSDP2's
+  // register_fsdp_forward_method). Such a method runs its body through run_method(name, inputs, body): a name
+  // registered with register_forward_method runs the hooks around body (the hooks see `inputs` and body's
+  // outputs, and may replace them, as in call()); any other name runs body alone.
+  void register_forward_method(const std::string& name);
+  bool is_forward_method(const std::string& name) const;
+  TensorList run_method(const std::string& name, const TensorList& inputs,
+                        const std::function<TensorList(const TensorList&)>& body);
+
   // False for containers that only hold children and are never called themselves (ModuleList): a
   // composable API that hooks a module's forward (fsdp::fully_shard) refuses them.
   virtual bool has_forward() const { return true; }
@@ -159,6 +169,7 @@ class Module {
 
  private:
   void add_child(const std::string& name, std::shared_ptr<Module> module);
+  TensorList run_hooked(const TensorList& inputs, const std::function<TensorList(const TensorList&)>& body);
   void collect_parameters(const std::string& prefix, bool recurse, NamedTensors& out) const;
   void collect_buffers(const std::string& prefix, NamedTensors& out) const;
 
@@ -170,6 +181,7 @@ class Module {
   std::shared_ptr<autograd::HookList<ForwardPreHook>> pre_hooks_;
   std::shared_ptr<autograd::HookList<ForwardHook>> post_hooks_;
   std::vector<std::pair<std::string, std::shared_ptr<Attachment>>> attachments_;
+  std::vector<std::string> forward_methods_;
 };
 
 }  // namespace shardkit::nn

@@ -596,5 +596,43 @@ TEST(FsdpErrors, ReshardInsideAForwardNamesBothStates) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// A method other than forward that reads the parameters itself: without register_forward_method it would see
+// the shard; registered, it runs FSDP's hooks (gather before, release after) and equals the unsharded result.
+class Scaler : public nn::Module {
+ public:
+  explicit Scaler(Generator& gen) : Module("Scaler") { register_parameter("weight", Tensor::normal({6, 3}, gen, 0, 1)); }
+  // sum over rows of weight, times x (elementwise): [3]
+  Tensor column_sums() {
+    return run_method("column_sums", {}, [this](const nn::TensorList&) -> nn::TensorList {
+      const Tensor& w = parameter("weight");
+      Tensor out = Tensor::zeros({w.size(1)});
+      for (std::int64_t r = 0; r < w.size(0); ++r) {
+        for (std::int64_t c = 0; c < w.size(1); ++c) out.data<float>()[c] += w.data<float>()[r * w.size(1) + c];
+      }
+      return {out};
+    })[0];
+  }
+
+ protected:
+  Tensor forward(const Tensor& x) override { return x; }
+};
+
+TEST(FsdpForwardMethod, RegisteredMethodSeesTheUnshardedParameters) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    Generator gen(5);
+    Scaler m(gen);
+    const std::vector<float> want = m.column_sums().to_vector();
+    EXPECT_EQ(register_forward_method(m, "column_sums").code(), absl::StatusCode::kNotFound);
+    auto unit = fully_shard(m, env.group_ptr);
+    if (!unit.ok()) return unit.status();
+    EXPECT_EQ(m.parameter("weight").shape(), (Shape{3, 3})) << "at rest: the shard";
+    if (absl::Status s = register_forward_method(m, "column_sums"); !s.ok()) return s;
+    EXPECT_EQ(m.column_sums().to_vector(), want);
+    EXPECT_EQ(m.parameter("weight").shape(), (Shape{3, 3})) << "released after the method";
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 }  // namespace
 }  // namespace shardkit::fsdp
