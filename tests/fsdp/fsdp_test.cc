@@ -596,6 +596,32 @@ TEST(FsdpErrors, ReshardInsideAForwardNamesBothStates) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// Bytes sent per rank per step, exactly (Note [ring-equivalent volume]): every unit all-gathered before its forward
+// ((N-1)·4S), the blocks again before their backward (reshard_after_forward true; the root keeps its parameters),
+// every unit's gradients reduce-scattered ((N-1)·4S): the 3Ψ class, and 2Ψ with reshard_after_forward false.
+TEST(FsdpComm, BytesPerStepAreTheThreePsiClass) {
+  for (const bool reshard : {true, false}) {
+    absl::Status st = comm::RunRanks(4, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(TinyConfig(), 1);
+      if (absl::Status s = test_util::ShardGpt(model, env, {.reshard_after_forward = reshard}); !s.ok()) return s;
+      std::int64_t all = 0, blocks = 0;  // S summed over units (padding included)
+      for (nn::Module* m : modules_of_type(model, "TransformerBlock")) blocks += state_of(*m)->state().param_group()->shard_numel();
+      all = blocks + state_of(model)->state().param_group()->shard_numel();
+      auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+      auto [x, y] = Batch(0, env.rank * 6, 6);
+      const auto before = env.group.counters();
+      (*opt)->zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
+      const std::int64_t sent = env.group.counters().since(before).total_sent();
+      // (N - 1) = 3 ranks' worth of 4-byte elements: forward gathers, backward regathers, reduce-scatters.
+      EXPECT_EQ(sent, 3 * 4 * (all + (reshard ? blocks : 0) + all)) << "reshard " << reshard;
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(st.ok()) << st;
+  }
+}
+
 // A method other than forward that reads the parameters itself: without register_forward_method it would see
 // the shard; registered, it runs FSDP's hooks (gather before, release after) and equals the unsharded result.
 class Scaler : public nn::Module {
