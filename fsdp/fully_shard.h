@@ -34,8 +34,9 @@
 //   * call bottom-up, each module at most once; a container without a forward of its own (ModuleList) cannot be a
 //     unit (shard the modules it holds, or the module that calls them);
 //   * every rank builds the same model (same seed) before sharding: each rank keeps its rows of its own copy;
-//   * a parameter used by two units belongs to their common ancestor (fsdp::auto_shard assigns it; with manual
-//     calls, shard the ancestor instead of one of them: a parameter another unit already took is refused);
+//   * a parameter used by two units belongs to their common ancestor (fsdp::auto_shard assigns it, see
+//     fsdp/wrap_policy.h; with manual calls, name it in FullyShardOptions::leave_to_ancestor of the lower calls, or
+//     shard the ancestor instead of one of them: a parameter another unit already took is refused);
 //   * the first forward goes through the root (the outermost sharded module); a sharded module that runs inside
 //     the root's forward must be under the root;
 //   * every rank runs the same units in forward (parameters unused inside a unit are fine);
