@@ -1,9 +1,14 @@
 #include "fsdp/state_dict.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
+#include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/autograd/grad_mode.h"
+#include "common/base/check.h"
 #include "common/optim/state_dict_validation.h"
 #include "fsdp/fully_shard.h"
 
@@ -58,6 +63,189 @@ Tensor local_rows(const FSDPParam& p, const Tensor& full) {
   return out;
 }
 
+// ---- sharded state dicts: geometry and the pieces' plan (Note [loading sharded pieces]) ----------------------
+
+// Every FSDPParam under root, found by either tensor the module may register for it (its shard at rest, its
+// unsharded tensor while its unit is unsharded).
+std::map<const TensorImpl*, const FSDPParam*> managed_params(nn::Module& root) {
+  std::map<const TensorImpl*, const FSDPParam*> out;
+  for (const auto& [name, mod] : root.named_modules()) {
+    const FSDPState* s = state_attached(*mod);
+    if (s == nullptr || s->param_group() == nullptr) continue;
+    for (const FSDPParam& p : s->param_group()->params()) {
+      out[p.sharded.id()] = &p;
+      if (p.unsharded.defined()) out[p.unsharded.id()] = &p;
+    }
+  }
+  return out;
+}
+
+// The registered tensors in root.state_dict()'s order (every name of a parameter, then the buffers), as handles
+// (state_dict() detaches them, which hides which tensor they are).
+nn::NamedTensors named_state(const nn::Module& root) {
+  nn::NamedTensors out = root.named_parameters({.recurse = true, .remove_duplicate = false});
+  for (auto& nt : root.named_buffers()) out.push_back(std::move(nt));
+  return out;
+}
+
+// This rank's rows of one tensor of the module.
+struct Rows {
+  Tensor tensor;  // rows [row_offset, row_offset + rows) of a tensor of global_shape
+  Shape global_shape;
+  std::int64_t row_offset = 0;
+};
+
+// Where this rank's rows live at rest: a sharded parameter's shard, or the whole tensor.
+Rows rows_at_rest(const Tensor& registered, const std::map<const TensorImpl*, const FSDPParam*>& managed) {
+  auto it = managed.find(registered.id());
+  if (it == managed.end()) return {registered, registered.shape(), 0};
+  const FSDPParam& p = *it->second;
+  return {p.sharded, p.global_shape, p.split.row_offset};
+}
+
+// This rank's rows as the module shows them now: while a unit is unsharded, the module's values are the unsharded
+// tensor's (written while summoned, not yet in the shard).
+Rows rows_now(const Tensor& registered, const std::map<const TensorImpl*, const FSDPParam*>& managed) {
+  Rows r = rows_at_rest(registered, managed);
+  auto it = managed.find(registered.id());
+  if (it != managed.end() && registered.is_same(it->second->unsharded)) {
+    const FSDPParam& p = *it->second;
+    r.tensor = p.unsharded.view(p.split.row_offset * p.split.row_numel, p.local_shape);
+  }
+  return r;
+}
+
+std::int64_t global_rows(const Shape& global) { return global.empty() ? 1 : global[0]; }
+
+std::int64_t row_numel(const Shape& global) {
+  const std::int64_t rows = global_rows(global);
+  return rows == 0 ? 0 : shape_numel(global) / rows;
+}
+
+// How many rows a tensor of shape `local` holds of one of shape `global`: [rows, d1, ...] with global's d1, ...
+// (a 0-d tensor: [] is its one row, [0] none). Empty when the shape is not of that form.
+std::optional<std::int64_t> rows_held(const Shape& local, const Shape& global) {
+  if (global.empty()) {
+    if (local.empty()) return 1;
+    if (local == Shape{0}) return 0;
+    return std::nullopt;
+  }
+  if (local.size() != global.size() || local[0] < 0 || !std::equal(local.begin() + 1, local.end(), global.begin() + 1)) {
+    return std::nullopt;
+  }
+  return local[0];
+}
+
+// One piece's rows of one tensor, as written.
+struct PieceRows {
+  std::size_t piece = 0;
+  Tensor local;
+  Shape global_shape;
+  std::int64_t row_offset = 0;
+};
+
+// A piece to read from: its rows [first, first + rows).
+struct Span {
+  std::size_t piece = 0;
+  Tensor local;
+  std::int64_t first = 0;
+  std::int64_t rows = 0;
+};
+
+std::string rows_str(std::int64_t first, std::int64_t end) { return absl::StrCat("rows [", first, ", ", end, ")"); }
+
+// Checks the pieces of one tensor of shape `global` (Note [loading sharded pieces]) and returns the ones that hold
+// rows: one replica, or disjoint spans covering [0, d0) in row order. `what` begins each message.
+absl::StatusOr<std::vector<Span>> plan_rows(const std::string& what, const Shape& global,
+                                            const std::vector<PieceRows>& pieces) {
+  const std::int64_t d0 = global_rows(global);
+  std::vector<Span> spans;
+  for (const PieceRows& p : pieces) {
+    if (p.global_shape != global) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": expected global shape ", shape_str(global), ", found ",
+                                                     shape_str(p.global_shape), " in piece ", p.piece));
+    }
+    if (!p.local.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": piece ", p.piece, " holds an undefined tensor"));
+    }
+    const std::optional<std::int64_t> rows = rows_held(p.local.shape(), global);
+    if (!rows || p.row_offset < 0 || p.row_offset > d0 - *rows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": piece ", p.piece, " holds ", p.local.describe(), " at row ", p.row_offset,
+          "; expected rows of the global shape ", shape_str(global), " (same trailing dimensions) inside ",
+          rows_str(0, d0)));
+    }
+    if (*rows > 0) spans.push_back({p.piece, p.local, p.row_offset, *rows});
+  }
+  if (!spans.empty() && std::all_of(spans.begin(), spans.end(), [&](const Span& s) { return s.rows == d0; })) {
+    return std::vector<Span>{spans.front()};  // whole in every piece: replicas
+  }
+  std::stable_sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.first < b.first; });
+  std::int64_t covered = 0;  // rows [0, covered) are held
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const Span& s = spans[i];
+    if (s.first < covered) {
+      const Span& prev = spans[i - 1];
+      return absl::InvalidArgumentError(absl::StrCat(what, ": pieces overlap: piece ", prev.piece, " holds ",
+                                                     rows_str(prev.first, prev.first + prev.rows), " and piece ",
+                                                     s.piece, " ", rows_str(s.first, s.first + s.rows)));
+    }
+    if (s.first > covered) break;
+    covered = s.first + s.rows;
+  }
+  if (covered < d0) {
+    std::int64_t end = d0;
+    for (const Span& s : spans) {
+      if (s.first > covered) {
+        end = s.first;
+        break;
+      }
+    }
+    return absl::InvalidArgumentError(absl::StrCat(what, " (global shape ", shape_str(global), "): missing ",
+                                                   rows_str(covered, end), ": no piece holds them"));
+  }
+  return spans;
+}
+
+// Copies rows [first, first + rows of dst) of the tensor `spans` cover (plan_rows) into dst, converting dtype.
+void copy_rows(const std::vector<Span>& spans, const Shape& global, const Tensor& dst, std::int64_t first) {
+  const std::int64_t rn = row_numel(global);
+  const std::optional<std::int64_t> rows = rows_held(dst.shape(), global);
+  SK_CHECK(rows.has_value()) << dst.describe() << " as rows of " << shape_str(global);
+  const std::int64_t end = first + *rows;
+  std::int64_t copied = 0;
+  for (const Span& s : spans) {
+    const std::int64_t lo = std::max(first, s.first), hi = std::min(end, s.first + s.rows);
+    if (lo >= hi) continue;
+    dst.view((lo - first) * rn, {(hi - lo) * rn}).copy_(s.local.view((lo - s.first) * rn, {(hi - lo) * rn}));
+    copied += hi - lo;
+  }
+  SK_CHECK_EQ(copied, *rows) << "rows of " << dst.describe() << " at row " << first;
+}
+
+// The first name of each of root's parameters (root.named_parameters()), by the tensor an optimizer steps (a
+// sharded parameter's shard), with the rows a rank holds.
+struct OptimizerParam {
+  std::string name;
+  Shape global_shape;
+  std::int64_t row_offset = 0;
+};
+std::map<const TensorImpl*, OptimizerParam> optimizer_params(nn::Module& root) {
+  const auto managed = managed_params(root);
+  std::map<const TensorImpl*, OptimizerParam> out;
+  for (const auto& [name, t] : root.named_parameters()) {
+    const Rows r = rows_at_rest(t, managed);
+    out[r.tensor.id()] = {name, r.global_shape, r.row_offset};
+  }
+  return out;
+}
+
+absl::Status not_a_parameter(const char* who, std::int64_t k, const Tensor& param) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      who, ": expected the optimizer to step the root's parameters (model.parameters() after fully_shard), found "
+           "parameter ",
+      k, " (", param.describe(), ") that is not one of them"));
+}
 
 }  // namespace
 
@@ -153,6 +341,282 @@ absl::Status load_full_optimizer_state(nn::Module& root, optim::Optimizer& opt, 
     local.param_groups.push_back(std::move(lg));
   }
   return opt.load_state_dict(local);
+}
+
+
+// ---- name-keyed full optimizer state ----------------------------------------------------------------------------
+
+absl::StatusOr<NamedOptimizerState> to_named(const nn::Module& root, const optim::OptimizerStateDict& full) {
+  const nn::NamedTensors params = root.named_parameters();
+  auto name_of = [&](std::int64_t index) -> absl::StatusOr<std::string> {
+    if (index < 0 || index >= static_cast<std::int64_t>(params.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("fsdp to_named: expected parameter indices in [0, ",
+                                                     params.size(), ") (positions in root.parameters()), found ",
+                                                     index));
+    }
+    return params[static_cast<std::size_t>(index)].first;
+  };
+  NamedOptimizerState out;
+  out.optimizer = full.optimizer;
+  for (const optim::ParamGroupState& g : full.param_groups) {
+    NamedParamGroup ng{g.hyper, {}};
+    for (std::int64_t index : g.params) {
+      auto name = name_of(index);
+      if (!name.ok()) return name.status();
+      ng.params.push_back(*std::move(name));
+    }
+    out.param_groups.push_back(std::move(ng));
+  }
+  for (const auto& [index, st] : full.state) {
+    auto name = name_of(index);
+    if (!name.ok()) return name.status();
+    out.state[*name] = st;
+  }
+  return out;
+}
+
+absl::StatusOr<optim::OptimizerStateDict> from_named(const nn::Module& root, const NamedOptimizerState& named) {
+  std::map<std::string, std::int64_t> index_of;
+  for (const auto& [name, t] : root.named_parameters()) {
+    index_of.emplace(name, static_cast<std::int64_t>(index_of.size()));
+  }
+  optim::OptimizerStateDict out;
+  out.optimizer = named.optimizer;
+  std::set<std::string> listed;
+  for (std::size_t g = 0; g < named.param_groups.size(); ++g) {
+    optim::ParamGroupState pg{named.param_groups[g].hyper, {}};
+    for (const std::string& name : named.param_groups[g].params) {
+      auto it = index_of.find(name);
+      if (it == index_of.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("fsdp from_named: group ", g, " lists unknown parameter '",
+                                                       name, "'; expected a name of root.named_parameters()"));
+      }
+      if (!listed.insert(name).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("fsdp from_named: parameter '", name, "' is listed twice (again in group ", g, ")"));
+      }
+      pg.params.push_back(it->second);
+    }
+    out.param_groups.push_back(std::move(pg));
+  }
+  for (const auto& [name, st] : named.state) {
+    auto it = index_of.find(name);
+    if (it == index_of.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("fsdp from_named: state for unknown parameter '", name,
+                                                     "'; expected a name of root.named_parameters()"));
+    }
+    out.state[it->second] = st;
+  }
+  return out;
+}
+
+// ---- sharded model state ---------------------------------------------------------------------------------------
+
+absl::StatusOr<ShardedStateDict> sharded_state_dict(nn::Module& root) {
+  if (auto unit = state_of(root); !unit.ok()) return unit.status();
+  const auto managed = managed_params(root);
+  ShardedStateDict out;
+  for (const auto& [name, t] : named_state(root)) {
+    const Rows r = rows_now(t, managed);
+    out.entries.push_back({name, r.tensor.clone(MemoryCategory::other), r.global_shape, r.row_offset});
+  }
+  return out;
+}
+
+absl::Status load_sharded_state_dict(nn::Module& root, const std::vector<ShardedStateDict>& pieces, bool strict) {
+  constexpr char kWho[] = "fsdp load_sharded_state_dict";
+  auto unit = state_of(root);
+  if (!unit.ok()) return unit.status();
+  const auto managed = managed_params(root);
+  std::vector<std::pair<std::string, Rows>> targets;
+  std::map<std::string, std::vector<PieceRows>> by_name;
+  for (const auto& [name, t] : named_state(root)) {
+    targets.emplace_back(name, rows_at_rest(t, managed));
+    by_name[name];
+  }
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    for (const ShardedEntry& e : pieces[i].entries) {
+      auto it = by_name.find(e.name);
+      if (it != by_name.end()) {
+        it->second.push_back({i, e.local, e.global_shape, e.row_offset});
+      } else if (strict) {
+        return absl::InvalidArgumentError(absl::StrCat(kWho, ": unknown name '", e.name, "' in piece ", i,
+                                                       "; expected a name of the module's state_dict() (strict)"));
+      }
+    }
+  }
+  // Every check first (the module is unchanged on error), then the copies.
+  std::vector<std::optional<std::vector<Span>>> plans(targets.size());
+  for (std::size_t k = 0; k < targets.size(); ++k) {
+    const auto& [name, rows] = targets[k];
+    const std::vector<PieceRows>& held = by_name.at(name);
+    if (held.empty()) {
+      if (!strict) continue;
+      return absl::InvalidArgumentError(absl::StrCat(kWho, ": no piece holds '", name, "' (strict; ",
+                                                     pieces.size(), " pieces)"));
+    }
+    auto plan = plan_rows(absl::StrCat(kWho, ": '", name, "'"), rows.global_shape, held);
+    if (!plan.ok()) return plan.status();
+    plans[k] = *std::move(plan);
+  }
+  if (absl::Status s = unit->reshard(/*recurse=*/true); !s.ok()) return s;  // the shards are the truth again
+  autograd::NoGradGuard no_grad;
+  for (std::size_t k = 0; k < targets.size(); ++k) {
+    if (!plans[k]) continue;
+    const Rows& r = targets[k].second;
+    copy_rows(*plans[k], r.global_shape, r.tensor, r.row_offset);
+  }
+  return absl::OkStatus();
+}
+
+// ---- sharded optimizer state -------------------------------------------------------------------------------------
+
+absl::StatusOr<ShardedOptimizerState> sharded_optimizer_state(nn::Module& root, const optim::Optimizer& opt) {
+  if (auto unit = state_of(root); !unit.ok()) return unit.status();
+  const auto params = optimizer_params(root);
+  ShardedOptimizerState out;
+  out.optimizer = opt.name();
+  std::int64_t k = 0;
+  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
+    NamedParamGroup ng{opt.param_group(g).hyper, {}};
+    for (std::size_t i = 0; i < opt.param_group(g).params.size(); ++i, ++k) {
+      auto it = params.find(opt.param(k).id());
+      if (it == params.end()) return not_a_parameter("fsdp sharded_optimizer_state", k, opt.param(k));
+      const OptimizerParam& p = it->second;
+      ng.params.push_back(p.name);
+      const optim::ParamState* st = opt.state(k);
+      if (st == nullptr) continue;  // not stepped yet
+      ShardedParamState ps{p.name, st->step, {}, p.global_shape, p.row_offset};
+      for (const auto& [key, t] : st->tensors) ps.tensors[key] = t.clone(MemoryCategory::other);
+      out.state.push_back(std::move(ps));
+    }
+    out.param_groups.push_back(std::move(ng));
+  }
+  return out;
+}
+
+namespace {
+
+// The first difference between two pieces' groups, or "".
+std::string groups_differ(const std::vector<NamedParamGroup>& a, const std::vector<NamedParamGroup>& b) {
+  if (a.size() != b.size()) return absl::StrCat(a.size(), " param groups against ", b.size());
+  for (std::size_t g = 0; g < a.size(); ++g) {
+    if (!(a[g].hyper == b[g].hyper)) {
+      return absl::StrCat("group ", g, " has ", optim::hyper_params_str(a[g].hyper), " against ",
+                          optim::hyper_params_str(b[g].hyper));
+    }
+    if (a[g].params != b[g].params) return absl::StrCat("group ", g, " lists other parameters");
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::Status load_sharded_optimizer_state(nn::Module& root, optim::Optimizer& opt,
+                                          const std::vector<ShardedOptimizerState>& pieces) {
+  constexpr char kWho[] = "fsdp load_sharded_optimizer_state";
+  if (auto unit = state_of(root); !unit.ok()) return unit.status();
+  if (pieces.empty()) return absl::InvalidArgumentError(absl::StrCat(kWho, ": expected every rank's piece, found none"));
+  const ShardedOptimizerState& first = pieces.front();
+  for (std::size_t i = 1; i < pieces.size(); ++i) {
+    if (pieces[i].optimizer != first.optimizer) {
+      return absl::InvalidArgumentError(absl::StrCat(kWho, ": piece ", i, " is of optimizer ", pieces[i].optimizer,
+                                                     ", piece 0 of ", first.optimizer));
+    }
+    if (std::string d = groups_differ(pieces[i].param_groups, first.param_groups); !d.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(kWho, ": the pieces disagree: piece ", i, "'s ", d, " in piece 0"));
+    }
+  }
+  // The optimizer's parameters by name, and the groups they must be listed in.
+  const auto params = optimizer_params(root);
+  struct Slot {
+    std::int64_t index = 0;  // in the optimizer
+    std::size_t group = 0;
+    const OptimizerParam* param = nullptr;
+  };
+  std::map<std::string, Slot> slots;
+  std::int64_t k = 0;
+  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
+    for (std::size_t i = 0; i < opt.param_group(g).params.size(); ++i, ++k) {
+      auto it = params.find(opt.param(k).id());
+      if (it == params.end()) return not_a_parameter(kWho, k, opt.param(k));
+      slots[it->second.name] = {k, g, &it->second};
+    }
+  }
+  if (first.param_groups.size() != opt.num_param_groups()) {
+    return absl::InvalidArgumentError(absl::StrCat(kWho, ": expected ", opt.num_param_groups(),
+                                                   " param groups (the optimizer's), found ", first.param_groups.size()));
+  }
+  for (std::size_t g = 0; g < first.param_groups.size(); ++g) {
+    std::set<std::string> listed;
+    for (const std::string& name : first.param_groups[g].params) {
+      auto it = slots.find(name);
+      if (it == slots.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(kWho, ": group ", g, " lists unknown parameter '", name,
+                                                       "'; expected a parameter the optimizer steps"));
+      }
+      if (it->second.group != g || !listed.insert(name).second) {
+        return absl::InvalidArgumentError(absl::StrCat(kWho, ": group ", g, " lists '", name,
+                                                       "', which is not once in the optimizer's group ", g));
+      }
+    }
+    if (listed.size() != opt.param_group(g).params.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(kWho, ": group ", g, " lists ", listed.size(),
+                                                     " parameters; expected the optimizer's ",
+                                                     opt.param_group(g).params.size()));
+    }
+  }
+  // Each parameter's state, from every piece that has some.
+  std::map<std::string, std::vector<std::pair<std::size_t, const ShardedParamState*>>> held;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    for (const ShardedParamState& ps : pieces[i].state) {
+      if (!slots.contains(ps.name)) {
+        return absl::InvalidArgumentError(absl::StrCat(kWho, ": piece ", i, " holds state for unknown parameter '",
+                                                       ps.name, "'; expected a parameter the optimizer steps"));
+      }
+      held[ps.name].emplace_back(i, &ps);
+    }
+  }
+  const auto managed = managed_params(root);
+  optim::OptimizerStateDict local;
+  local.optimizer = first.optimizer;
+  for (std::size_t g = 0; g < opt.num_param_groups(); ++g) local.param_groups.push_back({first.param_groups[g].hyper, {}});
+  for (const auto& [name, slot] : slots) local.param_groups[slot.group].params.push_back(slot.index);
+  for (optim::ParamGroupState& g : local.param_groups) std::sort(g.params.begin(), g.params.end());
+  for (const auto& [name, states] : held) {
+    const Slot& slot = slots.at(name);
+    const auto& [i0, s0] = states.front();
+    optim::ParamState ps{s0->step, {}};
+    for (const auto& [i, s] : states) {
+      if (s->step != s0->step) {
+        return absl::InvalidArgumentError(absl::StrCat(kWho, ": '", name, "': step counts differ: ", s0->step,
+                                                       " in piece ", i0, ", ", s->step, " in piece ", i));
+      }
+      const bool same_keys = s->tensors.size() == s0->tensors.size() &&
+                             std::equal(s->tensors.begin(), s->tensors.end(), s0->tensors.begin(),
+                                        [](const auto& a, const auto& b) { return a.first == b.first; });
+      if (!same_keys) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kWho, ": '", name, "': pieces ", i0, " and ", i, " hold different state keys"));
+      }
+    }
+    // This rank's rows of the parameter (its shard's shape), from the pieces that cover them.
+    const Rows mine = rows_at_rest(opt.param(slot.index), managed);
+    for (const auto& [key, t0] : s0->tensors) {
+      std::vector<PieceRows> rows;
+      for (const auto& [i, s] : states) rows.push_back({i, s->tensors.at(key), s->global_shape, s->row_offset});
+      auto plan = plan_rows(absl::StrCat(kWho, ": state '", key, "' of '", name, "'"), slot.param->global_shape, rows);
+      if (!plan.ok()) return plan.status();
+      Tensor t = Tensor::empty(mine.tensor.shape(), TensorOptions{}.with_category(MemoryCategory::other));
+      copy_rows(*plan, slot.param->global_shape, t, slot.param->row_offset);
+      ps.tensors[key] = std::move(t);
+    }
+    local.state[slot.index] = std::move(ps);
+  }
+  if (absl::Status s = opt.load_state_dict(local); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(kWho, ": ", s.message()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardkit::fsdp
