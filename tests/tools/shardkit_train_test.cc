@@ -1,7 +1,8 @@
 // shardkit-train run as a user runs it (a child process with a deadline): bad input gives one clear line and
 // exit code 1; --resume after a kill between steps reaches the same parameters as an uninterrupted run;
 // shardrun --nproc 2 over TCP ends with the loss of --ranks 2 threads; the memory table matches the ZeRO
-// formulas exactly; --compare writes its table and SVG. Runs are tiny (model tiny, a few steps).
+// formulas exactly; --compare writes its table and SVG; --export / --init-from round-trip the parameters through
+// GPT-2 safetensors. Runs are tiny (model tiny, a few steps).
 // gcc 12 reports a false -Wrestrict inside std::string operator+ at -O3 (GCC bug 105329).
 #pragma GCC diagnostic ignored "-Wrestrict"
 
@@ -536,6 +537,98 @@ TEST(ShardkitTrain, CompareWritesTableAndSvg) {
   EXPECT_THAT(svg, StartsWith("<svg "));
   EXPECT_THAT(svg, HasSubstr("</svg>"));
   EXPECT_THAT(svg, HasSubstr("<polyline"));
+  fs::remove_all(dir);
+}
+
+// The JSON header of a safetensors file (Note [safetensors format] in common/io/safetensors.h).
+nlohmann::json SafetensorsHeader(const std::string& path) {
+  const std::string b = ReadBytes(path);
+  std::uint64_t n = 0;
+  if (b.size() < 8) return nlohmann::json();
+  std::memcpy(&n, b.data(), 8);
+  if (n > b.size() - 8) return nlohmann::json();
+  return nlohmann::json::parse(b.substr(8, n));
+}
+
+// --export writes GPT-2's names and layout (one file from rank 0, or a directory of one part per rank plus the
+// index; fsdp writes its parts shard by shard), and --init-from loads them back: a run that starts from the
+// export and takes one step at lr 1e-30 ends with the exported run's parameter digest (AdamW moves each weight
+// by about the lr, far below half an ulp of any non-zero weight, so that step changes no bit), while the same run
+// without --init-from does not.
+TEST(ShardkitTrain, ExportThenInitFromReproducesTheParameters) {
+  struct Case {
+    std::string strategy, ranks, export_name;
+  };
+  for (const Case& c : std::vector<Case>{{"oss", "2", "model.safetensors"}, {"fsdp", "3", "parts"}}) {
+    SCOPED_TRACE(c.strategy);
+    const std::string dir = TempDir("export_" + c.strategy);
+    fs::create_directories(dir);
+    const std::string path = dir + "/" + c.export_name;
+    const auto exported = Train({"--model", "tiny", "--steps", "3", "--ranks", c.ranks, "--strategy", c.strategy,
+                                 "--sample", "0", "--export", path});
+    ASSERT_EQ(exported.exit_code, 0) << exported.err;
+    const std::string want = Field(exported.out, "parameter digest: ");
+    ASSERT_EQ(want.size(), 16u) << exported.out;
+    EXPECT_THAT(exported.out, HasSubstr("exported: " + path + " (GPT-2 names, "));
+    const std::string first_file =
+        c.export_name == "parts" ? path + "/model-00001-of-00003.safetensors" : path;
+    if (c.export_name == "parts") {
+      for (const char* f : {"/model-00002-of-00003.safetensors", "/model-00003-of-00003.safetensors",
+                            "/model.safetensors.index.json"}) {
+        EXPECT_TRUE(fs::exists(path + f)) << f;
+      }
+      std::ifstream in(path + "/model.safetensors.index.json");
+      const nlohmann::json index = nlohmann::json::parse(in);
+      EXPECT_EQ(index["weight_map"].size(), 4u + 2 * 12u);  // wte, wpe, ln_f x2, 12 per layer; no lm_head
+      EXPECT_EQ(index["weight_map"].count("lm_head.weight"), 0u);
+    } else {
+      const nlohmann::json h = SafetensorsHeader(path);
+      EXPECT_EQ(h["__metadata__"]["format"], "pt");
+      EXPECT_EQ(h["transformer.h.1.attn.c_attn.weight"]["shape"], nlohmann::json::array({32, 96}));  // Conv1D: [C, 3C]
+      EXPECT_EQ(h["transformer.wte.weight"]["shape"], nlohmann::json::array({256, 32}));
+    }
+    EXPECT_TRUE(SafetensorsHeader(first_file).is_object()) << first_file;
+
+    const std::vector<std::string> one_step = {"--model", "tiny", "--steps", "1", "--ranks", "2", "--strategy", "ddp",
+                                               "--sample", "0", "--lr", "1e-30"};
+    std::vector<std::string> from = one_step;
+    from.insert(from.end(), {"--init-from", path});
+    const auto resumed = Train(from);
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+    EXPECT_THAT(resumed.out, HasSubstr("initialised from " + path + " (GPT-2 names)"));
+    EXPECT_EQ(Field(resumed.out, "parameter digest: "), want);
+    const auto fresh = Train(one_step);
+    ASSERT_EQ(fresh.exit_code, 0) << fresh.err;
+    EXPECT_NE(Field(fresh.out, "parameter digest: "), want) << "the digest must tell the two apart";
+    fs::remove_all(dir);
+  }
+}
+
+// --init-from a file of another shape, a file that is not safetensors, and --export where nothing can be written
+// are refused with one line before any rank starts.
+TEST(ShardkitTrainBadInput, InitFromAFileThatDoesNotFitAndUnwritableExport) {
+  const std::string dir = TempDir("init_from");
+  fs::create_directories(dir);
+  const std::string path = dir + "/tiny.safetensors";
+  const auto r = Train({"--model", "tiny", "--steps", "1", "--ranks", "2", "--sample", "0", "--export", path});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ExpectOneLineError(Train({"--model", "small", "--steps", "1", "--init-from", path}),
+                     "cannot initialise from '" + path + "': expected GPT-2 weights of model 'small' (vocab 256, "
+                     "context 64, width 64, 2 layers), found vocab 256, context 32, width 32, 2 layers");
+  ExpectOneLineError(Train({"--model", "tiny", "--layers", "3", "--steps", "1", "--init-from", path}),
+                     "expected GPT-2 weights of model 'tiny --layers 3' (vocab 256, context 32, width 32, 3 layers), "
+                     "found vocab 256, context 32, width 32, 2 layers");
+  std::ofstream(dir + "/text.safetensors") << "not a safetensors file";
+  ExpectOneLineError(Train({"--model", "tiny", "--steps", "1", "--init-from", dir + "/text.safetensors"}),
+                     "cannot initialise from '" + dir + "/text.safetensors': ");
+  ExpectOneLineError(Train({"--model", "tiny", "--steps", "1", "--init-from", dir + "/none.safetensors"}),
+                     "cannot initialise from '" + dir + "/none.safetensors': cannot open");
+  ExpectOneLineError(Train({"--model", "tiny", "--steps", "1", "--export", path + "/x.safetensors"}),
+                     "cannot write --export '" + path + "/x.safetensors': no directory '" + path + "'");
+  ExpectOneLineError(Train({"--model", "tiny", "--steps", "1", "--export", path + "/parts"}),
+                     "cannot write --export '" + path + "/parts': Not a directory");
+  ExpectOneLineError(Train({"--model", "tiny", "--steps", "1", "--init-from", path, "--checkpoint-dir", dir, "--resume"}),
+                     "expected --init-from or --resume, found both");
   fs::remove_all(dir);
 }
 

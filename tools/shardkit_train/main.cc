@@ -6,8 +6,9 @@
 //   build/tools/shardkit-train --compare                       # every strategy, one table + SVG chart
 //   build/tools/shardrun --nproc 2 -- build/tools/shardkit-train --strategy oss --steps 20   # over TCP
 //
-// Bad input (unknown option or value, missing/empty data file, unwritable checkpoint directory, a
-// checkpoint of another model) prints one line "shardkit-train: error: ..." on stderr and exits 1.
+// Bad input (unknown option or value, missing/empty data file, unwritable checkpoint directory or --export
+// path, a checkpoint of another model, an --init-from file of another shape) prints one line
+// "shardkit-train: error: ..." on stderr and exits 1.
 #include <unistd.h>
 
 #include <cstdio>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "tools/shardkit_train/checkpoint.h"
 #include "tools/shardkit_train/corpus.h"
+#include "tools/shardkit_train/model_files.h"
 #include "tools/shardkit_train/options.h"
 #include "tools/shardkit_train/report.h"
 #include "tools/shardkit_train/trainer.h"
@@ -68,8 +70,8 @@ int main(int argc, char** argv) {
   const bool under_launcher = std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
   const bool is_rank0 = !under_launcher || std::string(std::getenv("RANK")) == "0";
   if (o.compare && under_launcher) return fail(absl::InvalidArgumentError("--compare runs ranks as threads; start it without shardrun"));
-  if (o.compare && (!o.checkpoint_dir.empty() || o.resume)) {
-    return fail(absl::InvalidArgumentError("--compare does not take --checkpoint-dir or --resume"));
+  if (o.compare && (!o.checkpoint_dir.empty() || o.resume || !o.export_path.empty())) {
+    return fail(absl::InvalidArgumentError("--compare does not take --checkpoint-dir, --resume or --export"));
   }
   if (under_launcher) {
     // Range-checked (std::atoi of an out-of-range value is undefined): batch x context x ranks must not overflow.
@@ -93,6 +95,15 @@ int main(int argc, char** argv) {
     if (absl::Status s = st::check_resumable(*ck, o, *model, *corpus); !s.ok()) return fail(s);
     resume = std::move(*ck);
   }
+  if (!o.export_path.empty()) {
+    if (absl::Status s = st::check_export_target(o.export_path); !s.ok()) return fail(s);
+  }
+  std::optional<shardkit::nn::StateDict> init;  // --init-from: read and checked before any rank starts
+  if (!o.init_from.empty()) {
+    auto weights = st::read_init_weights(o.init_from, *model);
+    if (!weights.ok()) return fail(weights.status());
+    init = std::move(*weights);
+  }
   std::optional<st::MetricsLog> log;
   if (!o.log.empty() && is_rank0) {
     auto l = st::MetricsLog::open(o.log);
@@ -106,7 +117,7 @@ int main(int argc, char** argv) {
     std::vector<st::RunResult> results;
     for (st::Strategy s : st::available_strategies()) {
       std::printf("%s", st::run_header(o, s, *model, *corpus, o.ranks, "threads").c_str());
-      auto r = st::run_threads(o, s, *corpus, nullptr, progress);
+      auto r = st::run_threads(o, s, *corpus, nullptr, progress, init ? &*init : nullptr);
       if (!r.ok()) return fail(r.status());
       results.push_back(std::move(*r));
     }
@@ -119,18 +130,23 @@ int main(int argc, char** argv) {
   if (is_rank0) {
     std::printf("%s", st::run_header(o, o.strategy, *model, *corpus, o.ranks, under_launcher ? "processes, TCP" : "threads").c_str());
     if (resume) std::printf("  resuming from %s at step %s\n", st::checkpoint_path(o.checkpoint_dir).c_str(), resume->meta["step"].c_str());
+    if (init) std::printf("  initialised from %s (GPT-2 names)\n", o.init_from.c_str());
     std::fflush(stdout);
   }
   std::optional<st::RunResult> result;
   if (under_launcher) {
-    auto r = st::run_process(o, o.strategy, *corpus, resume ? &*resume : nullptr, progress);
+    auto r = st::run_process(o, o.strategy, *corpus, resume ? &*resume : nullptr, progress, init ? &*init : nullptr);
     if (!r.ok()) return fail(r.status());
     result = std::move(*r);
   } else {
-    auto r = st::run_threads(o, o.strategy, *corpus, resume ? &*resume : nullptr, progress);
+    auto r = st::run_threads(o, o.strategy, *corpus, resume ? &*resume : nullptr, progress, init ? &*init : nullptr);
     if (!r.ok()) return fail(r.status());
     result = std::move(*r);
   }
   if (result) std::printf("%s", st::run_report(o, *result).c_str());
+  if (result && !o.export_path.empty()) {
+    std::printf("exported: %s (GPT-2 names, %s)\n", o.export_path.c_str(),
+                st::export_is_one_file(o.export_path) ? "one file" : "one part per rank and model.safetensors.index.json");
+  }
   return 0;
 }

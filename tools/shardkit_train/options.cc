@@ -159,6 +159,11 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       if (!v.ok()) return v.status();
       o.log = *v;
       if (o.log.empty()) return bad(flag, "a file name", "");
+    } else if (flag == "--export" || flag == "--init-from") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      if (v->empty()) return bad(flag, flag == "--export" ? "a .safetensors file or a directory" : "a safetensors file, index or directory", "");
+      (flag == "--export" ? o.export_path : o.init_from) = *v;
     } else if (flag == "--steps") {
       st = int_flag(o.steps, 1, "a number of steps >= 1");
     } else if (flag == "--batch") {
@@ -210,6 +215,9 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
   if (o.resume && o.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError("expected --checkpoint-dir with --resume, found none");
   }
+  if (o.resume && !o.init_from.empty()) {
+    return absl::InvalidArgumentError("expected --init-from or --resume, found both (a checkpoint holds the weights)");
+  }
   return o;
 }
 
@@ -238,6 +246,12 @@ std::string usage() {
       "  --resume                continue from DIR/checkpoint.skck\n"
       "  --compare               run every strategy on the same model and data; table + SVG (--svg FILE)\n"
       "  --log FILE.jsonl        one JSON object per step: step, loss, lr, tokens/s, seconds, memory by category\n"
+      "  --export FILE.safetensors\n"
+      "                          after the last step, the weights with GPT-2's names in one file (rank 0); a path\n"
+      "                          without that suffix is a directory of Hugging Face parts, one per rank, and\n"
+      "                          model.safetensors.index.json (fsdp: written shard by shard, never gathered)\n"
+      "  --init-from FILE        start from GPT-2 weights (.safetensors, index .json or a directory) of the\n"
+      "                          --model / shape flags' shape instead of the seed's initial values\n"
       "  --sample N              bytes of generated text to print at the end (default 160)\n");
 }
 

@@ -59,6 +59,9 @@ struct Options {
   std::string model = "small";
   ModelShape shape;           // --layers --width --heads --context
   std::string log;            // --log FILE.jsonl: one JSON object per step (Note [metrics log]); empty: none
+  // Note [--export and --init-from] (model_files.h); empty: none.
+  std::string export_path;    // --export FILE.safetensors | DIR: GPT-2 weights after the last step
+  std::string init_from;      // --init-from FILE.safetensors | INDEX.json | DIR: GPT-2 weights to start from
   std::int64_t steps = 300;
   std::int64_t batch = 4;     // sequences per rank per step, in [1, kMaxBatch]
   double lr = 3e-3;

@@ -20,11 +20,13 @@
 #include "common/optim/lr_schedule.h"
 #include "common/tensor/rank_context.h"
 #include "oss/oss.h"
+#include "tools/shardkit_train/model_files.h"
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
 #include "sddp/data_parallel.h"
 #endif
 #ifdef SHARDKIT_TRAIN_HAS_FSDP
 #include "fsdp/fully_shard.h"
+#include "fsdp/safetensors_export.h"
 #include "fsdp/state_dict.h"
 #endif
 
@@ -353,10 +355,29 @@ std::string last_checkpoint_clause(const Options& o, std::int64_t last_checkpoin
   return absl::StrCat("; the last checkpoint is step ", last_checkpoint_step, " in '", o.checkpoint_dir, "'");
 }
 
+// --export (Note [--export and --init-from] in model_files.h): every rank calls it after the last step.
+absl::Status export_model(Strategy strategy, nn::GPT& model, comm::ProcessGroup& pg, const std::string& path) {
+  const io::ModelExportOptions gpt2 = export_options(model.config());
+  MemoryCategoryScope other(MemoryCategory::other);
+#ifdef SHARDKIT_TRAIN_HAS_FSDP
+  if (strategy == Strategy::fsdp) {  // both end with a barrier
+    return export_is_one_file(path) ? fsdp::export_single_safetensors(model, path, gpt2)
+                                    : fsdp::export_sharded_safetensors(model, path, gpt2);
+  }
+#endif
+  // ddp / oss / sddp: every rank holds the whole model after step().
+  if (!export_is_one_file(path)) {
+    SKT_RETURN_IF_ERROR(io::export_sharded_safetensors(model.state_dict(), path, pg.rank(), pg.size(), gpt2));
+  } else if (pg.rank() == 0) {
+    SKT_RETURN_IF_ERROR(io::export_safetensors(model, path, gpt2));
+  }
+  return pg.barrier({.tag = "export written"})->wait();
+}
+
 // The per-rank loop (same code for threads and processes).
 absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy strategy, const Corpus& corpus,
                                                     const Checkpoint* resume, const StepObserver& observe,
-                                                    std::shared_ptr<comm::ProcessGroup> pg) {
+                                                    const nn::StateDict* init, std::shared_ptr<comm::ProcessGroup> pg) {
   const int rank = pg->rank(), world = pg->size();
   auto size = model_size(o.model, o.shape);
   if (!size.ok()) return size.status();
@@ -365,6 +386,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
 
   nn::GPT model(cfg, o.seed);
   const std::int64_t num_params = model.num_parameters();  // (under fsdp, parameters() are shards afterwards)
+  if (init != nullptr) SKT_RETURN_IF_ERROR(model.load_state_dict(*init));  // before sharding: every rank the same
   auto runner = make_runner(strategy, model, pg, o);
   if (!runner.ok()) return runner.status();
   std::int64_t start = 0;
@@ -483,6 +505,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     if (o.stop_after_step == step + 1 && rank == 0) ::kill(::getpid(), SIGKILL);  // test-only: a kill between steps
   }
   res.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (!o.export_path.empty()) SKT_RETURN_IF_ERROR(export_model(strategy, model, *pg, o.export_path));
   const std::int64_t timed = std::max<std::int64_t>(1, counted_steps - 1);
   res.seconds_per_step = counted_steps == 0 ? 0 : step_seconds_sum / static_cast<double>(counted_steps == 1 ? 1 : timed);
 
@@ -561,12 +584,12 @@ absl::Status check_resumable(const Checkpoint& ck, const Options& o, const Model
 }
 
 absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const Corpus& corpus, const Checkpoint* resume,
-                                      const StepObserver& observe) {
+                                      const StepObserver& observe, const nn::StateDict* init) {
   std::optional<RunResult> result;
   const absl::Status st = comm::run_ranks(
       o.ranks,
       [&](comm::ThreadRankEnv& env) -> absl::Status {
-        auto res = train_rank(o, strategy, corpus, resume, observe, env.group);
+        auto res = train_rank(o, strategy, corpus, resume, observe, init, env.group);
         if (!res.ok()) return res.status();
         if (res->has_value()) result = std::move(*res);
         return absl::OkStatus();
@@ -579,7 +602,8 @@ absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const
 }
 
 absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy strategy, const Corpus& corpus,
-                                                     const Checkpoint* resume, const StepObserver& observe) {
+                                                     const Checkpoint* resume, const StepObserver& observe,
+                                                     const nn::StateDict* init) {
   auto pg = comm::init_from_env();
   if (!pg.ok()) return pg.status();
   RankContext& ctx = current_rank_context();
@@ -588,7 +612,7 @@ absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy 
   ctx.generator = Generator(o.seed).fork(static_cast<std::uint64_t>(ctx.rank));
   absl::StatusOr<std::optional<RunResult>> res;
   try {
-    res = train_rank(o, strategy, corpus, resume, observe, *pg);
+    res = train_rank(o, strategy, corpus, resume, observe, init, *pg);
   } catch (...) {
     res = status_of_exception(std::current_exception());
   }

@@ -31,6 +31,10 @@
 // sent per step from the
 // ProcessGroup's counters (only the step's own collectives: the loss average for display is excluded).
 //
+// Weights in and out: --init-from loads GPT-2 weights into every rank's model before the runner shards it;
+// --export writes them after the last step, outside the measured steps (Note [--export and --init-from] in
+// model_files.h).
+//
 // Divergence: a non-finite loss stops the run on every rank at the same step, before that step updates
 // the parameters, with an error naming the step and the loss; a checkpoint holding inf or NaN is never
 // written (Note [non-finite loss] in trainer.cc).
@@ -44,6 +48,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/nn/module.h"
 #include "common/tensor/memory_tracker.h"
 #include "tools/shardkit_train/checkpoint.h"
 #include "tools/shardkit_train/corpus.h"
@@ -79,11 +84,16 @@ using StepObserver = std::function<absl::Status(const StepRecord&)>;
 // Checks that a checkpoint fits this run (model config, data, seed); the one-line error otherwise.
 absl::Status check_resumable(const Checkpoint& ckpt, const Options& options, const ModelSize& model, const Corpus& corpus);
 
+// `init`: weights every rank loads into its model before sharding it (--init-from: read_init_weights in
+// model_files.h); nullptr: the seed's. With options.export_path the run writes the weights after the last step
+// (Note [--export and --init-from]).
 absl::StatusOr<RunResult> run_threads(const Options& options, Strategy strategy, const Corpus& corpus,
-                                      const Checkpoint* resume, const StepObserver& observe);
+                                      const Checkpoint* resume, const StepObserver& observe,
+                                      const nn::StateDict* init = nullptr);
 // This process is one rank (RANK / WORLD_SIZE set by shardrun). Rank 0 gets the full result; others an
 // empty one (nullopt).
 absl::StatusOr<std::optional<RunResult>> run_process(const Options& options, Strategy strategy, const Corpus& corpus,
-                                                     const Checkpoint* resume, const StepObserver& observe);
+                                                     const Checkpoint* resume, const StepObserver& observe,
+                                                     const nn::StateDict* init = nullptr);
 
 }  // namespace shardkit::train
