@@ -586,16 +586,24 @@ absl::Status check_resumable(const Checkpoint& ck, const Options& o, const Model
 absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const Corpus& corpus, const Checkpoint* resume,
                                       const StepObserver& observe, const nn::StateDict* init) {
   std::optional<RunResult> result;
+  std::vector<absl::Status> per_rank(static_cast<std::size_t>(o.ranks));
   const absl::Status st = comm::run_ranks(
       o.ranks,
       [&](comm::ThreadRankEnv& env) -> absl::Status {
         auto res = train_rank(o, strategy, corpus, resume, observe, init, env.group);
-        if (!res.ok()) return res.status();
+        if (!res.ok()) return per_rank[static_cast<std::size_t>(env.rank)] = res.status();
         if (res->has_value()) result = std::move(*res);
         return absl::OkStatus();
       },
       {.timeout = absl::Minutes(2), .seed = o.seed});
-  if (!st.ok()) return st;
+  if (!st.ok()) {
+    // The lowest rank's own error, not the aborts it caused on the others nor the order in which the ranks
+    // failed (every rank may stop with an error of its own at the same step: rank 0's says most).
+    for (const absl::Status& s : per_rank) {
+      if (!s.ok() && s.code() != absl::StatusCode::kAborted) return s;
+    }
+    return st;
+  }
   if (!result) return absl::InternalError("rank 0 returned no result");
   result->backend = absl::StrCat(o.ranks, " threads (in-process)");
   return std::move(*result);
