@@ -159,6 +159,23 @@ std::vector<ShardedTensor> sharded_parameters(const nn::Module& root) {
   return out;
 }
 
+std::vector<NamedParameter> named_parameters(const nn::Module& root) {
+  std::map<const TensorImpl*, ShardedTensor> shards;
+  for (const ShardedTensor& t : sharded_parameters(root)) shards.emplace(t.local.id(), t);
+  std::vector<NamedParameter> out;
+  std::map<const TensorImpl*, std::size_t> index;
+  for (const auto& [name, t] : root.named_parameters({.recurse = true, .remove_duplicate = false})) {
+    if (auto it = index.find(t.id()); it != index.end()) {
+      out[it->second].names.push_back(name);
+      continue;
+    }
+    index[t.id()] = out.size();
+    auto s = shards.find(t.id());
+    out.push_back({{name}, t, s == shards.end() ? std::nullopt : std::optional<ShardedTensor>(s->second)});
+  }
+  return out;
+}
+
 absl::Status register_forward_method(nn::Module& module, const std::string& name) {
   if (state_attached(module) == nullptr) {
     return absl::NotFoundError(absl::StrCat("fsdp: register_forward_method('", name, "'): this ", module.type_name(),

@@ -127,6 +127,17 @@ absl::StatusOr<FSDPModule> state_of(nn::Module& module);
 // Every sharded parameter under `root` (each once), with its global shape and offset.
 std::vector<ShardedTensor> sharded_parameters(const nn::Module& root);
 
+// Parameter <-> fully qualified names under `root`: every parameter of root.parameters() (sharded or whole),
+// each with all the names it is registered under, in named_parameters() order. The names are the module's own
+// (fully_shard wraps nothing, so there are no wrapper prefixes); a shared parameter (GPT's tied embedding)
+// lists every name, the first being the one named_parameters() and the state dicts key it by.
+struct NamedParameter {
+  std::vector<std::string> names;
+  Tensor param;                        // what the optimizer steps (the shard, for a sharded parameter)
+  std::optional<ShardedTensor> shard;  // set for a sharded parameter
+};
+std::vector<NamedParameter> named_parameters(const nn::Module& root);
+
 // Makes `module`'s method `name` run FSDP's forward hooks (gather before, release after) when it runs through
 // nn::Module::run_method (FSDP2's register_fsdp_forward_method), e.g. a generate() that reads the parameters
 // directly. NotFound when `module` is not a unit.

@@ -622,6 +622,33 @@ TEST(FsdpComm, BytesPerStepAreTheThreePsiClass) {
   }
 }
 
+// Parameter <-> name maps: clean names (no wrapper prefixes), the tied embedding listed under both of its names,
+// each sharded parameter with its global shape and row offset.
+TEST(FsdpNames, CleanNamesAndEveryNameOfASharedParameter) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    std::vector<std::string> want_first;
+    std::vector<Shape> want_shapes;
+    for (const auto& [name, t] : model.named_parameters()) want_first.push_back(name), want_shapes.push_back(t.shape());
+    if (absl::Status s = test_util::ShardGpt(model, env, {}, /*nested=*/true); !s.ok()) return s;
+    const std::vector<NamedParameter> named = named_parameters(model);
+    EXPECT_EQ(named.size(), want_first.size());
+    for (std::size_t i = 0; i < named.size() && i < want_first.size(); ++i) {
+      EXPECT_EQ(named[i].names.front(), want_first[i]);
+      if (!named[i].shard) {
+        ADD_FAILURE() << want_first[i] << " is not sharded";
+        continue;
+      }
+      EXPECT_EQ(named[i].shard->global_shape, want_shapes[i]) << want_first[i];
+      EXPECT_TRUE(named[i].param.is_same(named[i].shard->local));
+      EXPECT_EQ(named[i].shard->row_offset, env.rank == 0 ? 0 : (want_shapes[i][0] + 1) / 2) << want_first[i];
+    }
+    EXPECT_EQ(named.front().names, (std::vector<std::string>{"wte.weight", "lm_head.weight"}));
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 // A method other than forward that reads the parameters itself: without register_forward_method it would see
 // the shard; registered, it runs FSDP's hooks (gather before, release after) and equals the unsharded result.
 class Scaler : public nn::Module {
