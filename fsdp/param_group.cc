@@ -1,5 +1,6 @@
 #include "fsdp/param_group.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -187,17 +188,20 @@ void ParamGroup::drop_unsharded_grads() {
 absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {
   const std::int64_t s = shard_.numel();
   const int world = pg_->size();
-  Tensor flat = Tensor::zeros({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+  // Every element is written once: a gradient's rows, or zeros (padding, parameters without a gradient).
+  Tensor flat = Tensor::empty({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
   float* in = flat.data<float>();
   for (FSDPParam& p : params_) {
     const Tensor g = p.unsharded.grad();
-    if (!g.defined()) continue;  // no gradient: zeros
-    SK_CHECK(g.dtype() == DType::f32 && g.numel() == p.unsharded.numel()) << "fsdp: gradient " << g.describe();
+    SK_CHECK(!g.defined() || (g.dtype() == DType::f32 && g.numel() == p.unsharded.numel())) << "fsdp: gradient " << g.describe();
     for (int r = 0; r < world; ++r) {
       const RowSplit rs = split_rows(p.global_shape, r, world);
-      copy_rows(in + r * s + p.shard_offset, g.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
+      float* dst = in + r * s + p.shard_offset;
+      const std::int64_t filled = g.defined() ? rs.local_rows * rs.row_numel : 0;
+      if (filled > 0) copy_rows(dst, g.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
+      std::fill(dst + filled, dst + p.padded_numel(), 0.f);
     }
-    p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
+    if (g.defined()) p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
   }
   Tensor out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient));
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
