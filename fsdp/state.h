@@ -64,7 +64,6 @@ struct RootContext {
   std::vector<FSDPState*> states;  // every state under the root (the root last), in module order
   std::int64_t forwards = 0;       // root forwards so far (ages pending backward hooks)
   bool in_backward = false;
-  bool forward_running = false;
   bool is_last_backward = true;
   struct UnitOutput {
     Tensor tensor;  // held so its id is not reused during the forward
@@ -83,12 +82,9 @@ class FSDPState : public nn::Module::Attachment {
   // The unit's parameters; nullptr when the call found none to manage.
   ParamGroup* param_group() const { return params_.get(); }
   comm::ProcessGroup& process_group() const { return *pg_; }
-  const std::shared_ptr<comm::ProcessGroup>& group_ptr() const { return pg_; }
   const FullyShardOptions& options() const { return options_; }
   TrainingState training_state() const { return state_; }
   bool is_root() const { return ctx_ != nullptr && ctx_->root == this; }
-  // The root's context, made by the first forward (nullptr before).
-  RootContext* context() const { return ctx_.get(); }
   // The states of `module` and its submodules (this one included), in module order.
   std::vector<FSDPState*> subtree_states() const;
 
