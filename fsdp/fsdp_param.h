@@ -11,8 +11,9 @@
 // is never visible (not in the tensor's shape, not in a state dict).
 //
 // While the unit is unsharded, the module's parameter is the `unsharded` tensor instead: a leaf of the global
-// shape that requires grad, whose Storage object lives as long as the FSDPParam and is released at rest and
-// reallocated to unshard. Tensors autograd saved during forward are this tensor or views of its Storage, so they
+// shape that requires grad, a view of the unit's one unsharded buffer (param_group.h), whose Storage object lives
+// as long as the unit, is created released (Storage::allocate_released: never charged at construction), and is
+// released at rest and reallocated to unshard. Tensors autograd saved during forward are this tensor or views of its Storage, so they
 // see the new bytes when backward unshards again: nothing is re-bound per pass. Backward accumulates the full
 // gradient in unsharded.grad(); the unit's reduce_scatter turns it into sharded.grad() (the same rows).
 //

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 #include "common/nn/deferred_init.h"
+#include "common/tensor/storage.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -38,6 +39,13 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
   const TensorOptions param_opts = TensorOptions{}.with_category(MemoryCategory::parameter);
   shard_ = Tensor::zeros({s}, param_opts);
   float* shard = shard_.data<float>();
+  // The unsharded parameters are views of one buffer per unit (one allocation per unshard, released at rest).
+  std::int64_t full_numel = 0;
+  for (const FSDPParam& p : params_) full_numel += shape_numel(p.global_shape);
+  full_ = Tensor::over(Storage::allocate_released(static_cast<std::size_t>(full_numel) * sizeof(float), Device::cpu(),
+                                                  MemoryCategory::parameter),
+                       0, {full_numel}, DType::f32);  // released: no bytes until the first unshard
+  std::int64_t full_offset = 0;
   nn::DeferredInit* deferred = nn::current_deferred_init();
   for (FSDPParam& p : params_) {
     const Tensor& full = p.registrations.front().first->parameter(p.registrations.front().second);
@@ -51,9 +59,9 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
     if (was_deferred && full.nbytes() > 0) full.release_storage();
     p.sharded = shard_.view(p.shard_offset, p.local_shape);
     p.sharded.set_requires_grad(true);
-    p.unsharded = Tensor::empty(p.global_shape, param_opts);
+    p.unsharded = full_.view(full_offset, p.global_shape);
+    full_offset += p.unsharded.numel();
     p.unsharded.set_requires_grad(true);
-    p.unsharded.release_storage();
     p.register_as(p.sharded);
   }
 }
@@ -87,10 +95,8 @@ void ParamGroup::reshard_to_group() {
     std::memset(dst, 0, static_cast<std::size_t>(rs.rows_per_rank * rs.row_numel) * sizeof(float));
     copy_rows(dst, p.unsharded.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
   }
-  for (FSDPParam& p : params_) {
-    p.register_as(p.sharded);
-    p.unsharded.release_storage();
-  }
+  for (FSDPParam& p : params_) p.register_as(p.sharded);
+  full_.release_storage();
   unsharded_ = false;
   k_resharded_ = true;
 }
@@ -127,9 +133,9 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
   const std::int64_t s = from_k ? kshard_.numel() : shard_.numel();
   const int parts = from_k ? k_ : pg_->size();
   const float* in = gathered.data<float>();
+  full_.reallocate_storage();
   for (std::size_t j = 0; j < params_.size(); ++j) {
     FSDPParam& p = params_[j];
-    p.unsharded.reallocate_storage();
     p.unsharded.set_requires_grad(p.sharded.requires_grad());  // frozen after fully_shard: no gradient
     float* out = p.unsharded.data<float>();
     const std::int64_t offset = from_k ? k_offsets_[j] : p.shard_offset;
@@ -159,10 +165,8 @@ void ParamGroup::reshard() {
     k_resharded_ = false;
   }
   if (!unsharded_) return;
-  for (FSDPParam& p : params_) {
-    p.register_as(p.sharded);
-    p.unsharded.release_storage();
-  }
+  for (FSDPParam& p : params_) p.register_as(p.sharded);
+  full_.release_storage();
   unsharded_ = false;
 }
 

@@ -98,6 +98,7 @@ class ParamGroup {
   std::shared_ptr<comm::ProcessGroup> pg_;
   std::optional<absl::Duration> timeout_;
   Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
+  Tensor full_;   // every unsharded parameter, back to back (released at rest); each one's `unsharded` views it
   bool unsharded_ = false;
   // Note [reshard to a k-group]
   int k_ = 0;                                  // 0: not enabled

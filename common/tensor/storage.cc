@@ -18,6 +18,12 @@ std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device, Me
   return s;
 }
 
+std::shared_ptr<Storage> Storage::allocate_released(std::size_t nbytes, Device device, MemoryCategory category) {
+  std::shared_ptr<Storage> s(new Storage(nbytes, device, category));
+  s->tracker_ = current_rank_context().memory;
+  return s;
+}
+
 std::shared_ptr<Storage> Storage::borrow(void* data, std::size_t nbytes, Device device) {
   std::shared_ptr<Storage> s(new Storage(nbytes, device, MemoryCategory::other));
   s->data_ = data;

@@ -23,6 +23,9 @@ class Storage {
   // Allocates `nbytes` (uninitialised, 64-byte aligned) on `device`, charged to the calling thread's
   // rank tracker under `category`. A CUDA device in a build without CUDA throws InternalError.
   static std::shared_ptr<Storage> allocate(std::size_t nbytes, Device device, MemoryCategory category);
+  // The same, released from the start (no bytes until reallocate()): for buffers that live released most of
+  // the time (FSDP's unsharded parameters), so creating them never charges the ledger.
+  static std::shared_ptr<Storage> allocate_released(std::size_t nbytes, Device device, MemoryCategory category);
   // Wraps memory owned by the caller (not charged, never freed here).
   static std::shared_ptr<Storage> borrow(void* data, std::size_t nbytes, Device device);
 
