@@ -44,10 +44,7 @@ TEST_P(FsdpClip, ClippedTrainingEqualsSingleRankClippedTraining) {
       EXPECT_LE(*after, kMaxNorm * (1 + 1e-5)) << "step " << step;
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(model);
-    if (!values.ok()) return values.status();
-    got[static_cast<std::size_t>(env.rank)] = *std::move(values);
-    return absl::OkStatus();
+    return test_util::StoreFullValues(model, got, env.rank);
   });
   ASSERT_TRUE(st.ok()) << st;
   gpt_tiny::ExpectMatches(got, want, 2e-5);

@@ -82,10 +82,7 @@ TEST(FsdpShardedState, CheckpointAtFourContinuesAtTwoAndThree) {
       if (absl::Status s = load_sharded_state_dict(model, ck.model); !s.ok()) return s;
       if (absl::Status s = load_sharded_optimizer_state(model, **opt, ck.optim); !s.ok()) return s;
       if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, world, kHalf, 2 * kHalf); !s.ok()) return s;
-      auto values = test_util::FullValues(model);
-      if (!values.ok()) return values.status();
-      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-      return absl::OkStatus();
+      return test_util::StoreFullValues(model, got, env.rank);
     });
     ASSERT_TRUE(st.ok()) << "world " << world << ": " << st;
     gpt_tiny::ExpectMatches(got, want, 2e-5);

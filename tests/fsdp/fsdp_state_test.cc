@@ -86,10 +86,7 @@ TEST(FsdpState, SingleRankCheckpointContinuesUnderFsdp) {
       if (!opt.ok()) return opt.status();
       if (absl::Status s = load_full_optimizer_state(model, **opt, opt_sd); !s.ok()) return s;
       if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, env.world_size, kHalf, 2 * kHalf); !s.ok()) return s;
-      auto values = test_util::FullValues(model);
-      if (!values.ok()) return values.status();
-      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-      return absl::OkStatus();
+      return test_util::StoreFullValues(model, got, env.rank);
     });
     ASSERT_TRUE(st.ok()) << st;
     gpt_tiny::ExpectMatches(got, want, 2e-5);
@@ -126,10 +123,7 @@ TEST(FsdpState, CheckpointAtFourContinuesAtTwoAndThree) {
       if (absl::Status s = load_full_state_dict(model, model_sd); !s.ok()) return s;
       if (absl::Status s = load_full_optimizer_state(model, **opt, opt_sd); !s.ok()) return s;
       if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, world, kHalf, 2 * kHalf); !s.ok()) return s;
-      auto values = test_util::FullValues(model);
-      if (!values.ok()) return values.status();
-      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-      return absl::OkStatus();
+      return test_util::StoreFullValues(model, got, env.rank);
     });
     ASSERT_TRUE(st.ok()) << st;
     gpt_tiny::ExpectMatches(got, want, 2e-5);

@@ -74,10 +74,7 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
       }
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(model);
-    if (!values.ok()) return values.status();
-    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-    return absl::OkStatus();
+    return test_util::StoreFullValues(model, got, env.rank);
   });
   EXPECT_TRUE(st.ok()) << st;
   return got;
@@ -293,10 +290,7 @@ TEST(FsdpNoSync, FourMicroBatchesEqualOneLargeBatch) {
       }
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(model);
-    if (!values.ok()) return values.status();
-    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-    return absl::OkStatus();
+    return test_util::StoreFullValues(model, got, env.rank);
   });
   ASSERT_TRUE(st.ok()) << st;
   gpt_tiny::ExpectMatches(got, want, 2e-5);
@@ -324,10 +318,7 @@ TEST(FsdpStaleForward, ForwardWithoutBackwardThenStepUnshardAndCheckpoint) {
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
       EXPECT_LE(mem.current(MemoryCategory::parameter), at_rest + model.num_parameters() * 4);
     }
-    auto values = test_util::FullValues(model);
-    if (!values.ok()) return values.status();
-    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-    return absl::OkStatus();
+    return test_util::StoreFullValues(model, got, env.rank);
   });
   ASSERT_TRUE(st.ok()) << st;
   gpt_tiny::ExpectMatches(got, want, 2e-5);
@@ -405,10 +396,7 @@ TEST(FsdpDataDependent, AParameterUsedOnSomeRanksOnly) {
       if (absl::Status s = autograd::try_backward(net.loss(GatedInput(env.rank, step))); !s.ok()) return s;
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-    auto values = test_util::FullValues(net);
-    if (!values.ok()) return values.status();
-    got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-    return absl::OkStatus();
+    return test_util::StoreFullValues(net, got, env.rank);
   });
   ASSERT_TRUE(st.ok()) << st;
   gpt_tiny::ExpectMatches(got, want, 1e-6);
@@ -447,10 +435,7 @@ TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
         if (!s.ok()) return s;
         if (absl::Status s = step > 0 ? (*opt)->step() : absl::OkStatus(); !s.ok()) return s;
       }
-      auto values = test_util::FullValues(model);
-      if (!values.ok()) return values.status();
-      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-      return absl::OkStatus();
+      return test_util::StoreFullValues(model, got, env.rank);
     });
     EXPECT_TRUE(st.ok()) << st;
     return got;

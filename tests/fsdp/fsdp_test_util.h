@@ -50,4 +50,12 @@ inline absl::StatusOr<std::vector<std::vector<float>>> FullValues(nn::Module& mo
   return values;
 }
 
+// FullValues(model) stored as rank `rank`'s entry of `got` (what the equivalence tests compare). Collective.
+inline absl::Status StoreFullValues(nn::Module& model, std::vector<std::vector<std::vector<float>>>& got, int rank) {
+  auto values = FullValues(model);
+  if (!values.ok()) return values.status();
+  got[static_cast<std::size_t>(rank)] = std::move(*values);
+  return absl::OkStatus();
+}
+
 }  // namespace shardkit::fsdp::test_util

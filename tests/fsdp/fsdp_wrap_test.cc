@@ -339,10 +339,7 @@ TEST(FsdpSharedParams, OneWeightSharedByTwoSiblingBlocksTrainsLikeOneRank) {
         if (absl::Status s = (*opt)->step(); !s.ok()) return s;
       }
       EXPECT_EQ(net.first->lin->weight().id(), net.second->lin->weight().id());
-      auto values = test_util::FullValues(net);
-      if (!values.ok()) return values.status();
-      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-      return absl::OkStatus();
+      return test_util::StoreFullValues(net, got, env.rank);
     });
     ASSERT_TRUE(st.ok()) << st;
     gpt_tiny::ExpectMatches(got, want, 2e-5);
@@ -372,10 +369,7 @@ TEST(FsdpSharedParams, GptTiedEmbeddingStaysOneTensorAndTrainsLikeOneRank) {
       if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, world, 0, kSteps); !s.ok()) return s;
       EXPECT_EQ(model.wte->weight().id(), model.lm_head->weight().id()) << "one tensor at rest";
       EXPECT_EQ(model.parameters().size(), 40u) << "lm_head.weight is still wte.weight";
-      auto values = test_util::FullValues(model);
-      if (!values.ok()) return values.status();
-      got[static_cast<std::size_t>(env.rank)] = std::move(*values);
-      return absl::OkStatus();
+      return test_util::StoreFullValues(model, got, env.rank);
     });
     ASSERT_TRUE(st.ok()) << st;
     gpt_tiny::ExpectMatches(got, want, 2e-5);
