@@ -38,6 +38,25 @@ namespace {
 // (GroupState::enter_failed): a rank that wakes up after the rendezvous completed and finds the world failed
 // by someone else still runs its data phase, because its peers are running theirs in its buffers.
 //
+// Note [in-process progress engine]
+// A collective on a group of more than one rank is queued to the handle's worker thread (started by the
+// handle's first such call) and returns at once; the worker runs the queued calls one at a time, in issue
+// order (enter, data phase, leave), and completes each Work once its leave point has passed. So a rank's
+// compute overlaps its communication as over TCP or NCCL, and the caller may drop its Work and tensors at
+// once: the queued CollectiveCall holds the Tensor handles until every peer has finished with the buffers
+// (the leave point), and releases them before the Work completes, so storage the caller dropped is freed by
+// the time wait() returns. Calls on different groups progress independently (one worker per handle).
+// A group of one rank runs in the calling thread (nothing to overlap).
+// The failure contract is unchanged: each call's enter point still waits until the call's own deadline (a
+// call that waited in the queue past it fails at once, naming the ranks that had not joined), so a Work
+// completes within its deadline plus the data phases of the calls queued before it; the Work itself has
+// no deadline of its own, because only the worker knows whether peers are still writing its buffers.
+// A departed rank (InProcessWorld::mark_departed) is only treated as gone for a group once it has no call
+// queued there that has not yet reached its enter point (GroupState::queued): a rank may issue calls and
+// return without waiting for them; its worker still joins them.
+// Destroying a handle fails the calls it had queued but not started (the world aborts: peers would wait for
+// them) and joins the worker after the call in progress.
+//
 // Note [in-process p2p]
 // A send and its recv meet in the (src, dst) queue of the group; whoever comes second copies the bytes
 // under the world mutex and completes both Works. Copying under the lock keeps the deadline path simple
@@ -68,6 +87,8 @@ struct GroupState {
   int arrived = 0;
   std::vector<std::uint64_t> arrived_for;  // generation + 1 of the rendezvous a rank last joined
   bool enter_failed = false;  // the last completed enter point failed its agreement check (Note [in-process leave])
+  // Per group rank: calls issued and not yet arrived at their enter point (Note [in-process progress engine]).
+  std::vector<int> queued;
   std::vector<CallDesc> desc;
 
   // p2p queues indexed src * n + dst (group ranks).
@@ -100,6 +121,7 @@ class InProcessWorldState {
     g->n = static_cast<int>(global.size());
     g->global = std::move(global);
     g->arrived_for.assign(static_cast<std::size_t>(g->n), 0);
+    g->queued.assign(static_cast<std::size_t>(g->n), 0);
     g->desc.resize(static_cast<std::size_t>(g->n));
     g->sends.resize(static_cast<std::size_t>(g->n) * g->n);
     g->recvs.resize(static_cast<std::size_t>(g->n) * g->n);
@@ -148,6 +170,7 @@ class InProcessGroup final : public ProcessGroup {
         me_(me),
         scratch_(world_->options_.chunk_bytes),
         spin_(g_->n <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) {}
+  ~InProcessGroup() override;
 
   std::string backend_name() const override { return "in_process"; }
 
@@ -172,21 +195,40 @@ class InProcessGroup final : public ProcessGroup {
   }
   // The enter point: publishes `desc` and waits (until the call's deadline) for every rank of the group.
   absl::Status enter(const CollectiveCall& call, const CallDesc& desc);
+  // True when group rank r has not joined rendezvous `gen` and never will: it departed with no call of
+  // this group still queued (Note [in-process progress engine]).
+  bool gone_locked(const GroupState& g, int r, std::uint64_t gen) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_) {
+    return g.arrived_for[r] != gen + 1 && world_->departed_[g.global[r]] && g.queued[r] == 0;
+  }
   // The leave point: waits for every rank of the group, with no deadline (Note [in-process leave]).
   void leave();
   // Spins briefly while the group's generation is still `gen` (Note [in-process spin]).
   void spin_while_generation_is(std::uint64_t gen) const;
   absl::Status validate_locked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_);
   void data_phase(const CollectiveCall& call);
+  // Runs one collective to completion: enter, data phase, leave.
+  absl::Status execute(const CollectiveCall& call);
+  // The worker thread's loop (Note [in-process progress engine]).
+  void work_queue();
   std::shared_ptr<Work> run_p2p(CollectiveCall call);
+
+  struct Queued {
+    CollectiveCall call;
+    std::shared_ptr<CompletionWork> work;
+  };
 
   std::shared_ptr<InProcessWorldState> world_;
   std::shared_ptr<GroupState> g_;
   int me_;
   ReduceScratch scratch_;
   bool spin_;
-  std::vector<const void*> srcs_;
+  std::vector<const void*> srcs_;  // data_phase scratch (worker thread)
   std::vector<void*> dsts_;
+
+  absl::Mutex queue_mu_;
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(queue_mu_);
+  bool stopping_ ABSL_GUARDED_BY(queue_mu_) = false;
+  std::thread worker_;  // started by the first queued call; joined by the destructor
 };
 
 absl::Status InProcessGroup::validate_locked() const {
@@ -228,6 +270,7 @@ absl::Status InProcessGroup::enter(const CollectiveCall& call, const CallDesc& d
   std::uint64_t gen;
   {
     absl::MutexLock lock(&world_->mu_);
+    --g.queued[me_];  // issued by run(); arrived now, or failing (Note [in-process progress engine])
     if (world_->failed_.load(std::memory_order_relaxed)) return aborted_locked(call);
     gen = g.generation.load(std::memory_order_relaxed);
     g.desc[me_] = desc;
@@ -249,7 +292,7 @@ absl::Status InProcessGroup::enter(const CollectiveCall& call, const CallDesc& d
     if (g.generation.load(std::memory_order_relaxed) != gen) return true;
     if (world_->failed_.load(std::memory_order_relaxed)) return true;
     for (int r = 0; r < g.n; ++r) {
-      if (g.arrived_for[r] != gen + 1 && world_->departed_[g.global[r]]) return true;
+      if (gone_locked(g, r, gen)) return true;
     }
     return false;
   };
@@ -264,7 +307,7 @@ absl::Status InProcessGroup::enter(const CollectiveCall& call, const CallDesc& d
   for (int r = 0; r < g.n; ++r) {
     if (g.arrived_for[r] == gen + 1) continue;
     missing.push_back(g.rank_str(r));
-    if (world_->departed_[g.global[r]]) departed.push_back(g.rank_str(r));
+    if (gone_locked(g, r, gen)) departed.push_back(g.rank_str(r));
   }
   absl::Status st;
   if (!departed.empty()) {
@@ -373,18 +416,68 @@ std::shared_ptr<Work> InProcessGroup::run(CollectiveCall call) {
     }
   }
   if (call.kind == CollectiveKind::send || call.kind == CollectiveKind::recv) return run_p2p(std::move(call));
+  {
+    absl::MutexLock lock(&world_->mu_);
+    ++g_->queued[me_];
+  }
+  if (g_->n == 1) return make_completed_work(execute(call));  // nothing to overlap
+  auto work = std::make_shared<CompletionWork>();
+  absl::MutexLock lock(&queue_mu_);
+  if (!worker_.joinable()) worker_ = std::thread([this] { work_queue(); });
+  queue_.push_back(Queued{std::move(call), work});
+  return work;
+}
+
+absl::Status InProcessGroup::execute(const CollectiveCall& call) {
   CallDesc desc;
   desc.call = &call;
   if (call.input.defined()) desc.in = static_cast<char*>(call.input.raw_data());
   if (call.output.defined()) desc.out = static_cast<char*>(call.output.raw_data());
-  if (absl::Status st = enter(call, desc); !st.ok()) return make_completed_work(st);
-  if (call.kind == CollectiveKind::barrier || g_->n == 1) {
-    if (g_->n == 1) data_phase(call);  // e.g. all_gather / reduce_scatter copy (or reduce) into the output
-    return make_completed_work(absl::OkStatus());
-  }
+  if (absl::Status st = enter(call, desc); !st.ok()) return st;
+  if (call.kind == CollectiveKind::barrier) return absl::OkStatus();
   data_phase(call);
-  leave();  // Note [in-process leave]: no peer touches this rank's buffers after this
-  return make_completed_work(absl::OkStatus());
+  if (g_->n > 1) leave();  // Note [in-process leave]: no peer touches this rank's buffers after this
+  return absl::OkStatus();
+}
+
+void InProcessGroup::work_queue() {
+  for (;;) {
+    Queued item;
+    {
+      absl::MutexLock lock(&queue_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(queue_mu_) { return stopping_ || !queue_.empty(); };
+      queue_mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;  // stopping
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    absl::Status st;
+    {
+      const CollectiveCall call = std::move(item.call);
+      st = execute(call);
+    }  // the call's tensors are released before its Work completes (Note [in-process progress engine])
+    item.work->complete(std::move(st));
+  }
+}
+
+InProcessGroup::~InProcessGroup() {
+  std::deque<Queued> orphaned;
+  {
+    absl::MutexLock lock(&queue_mu_);
+    stopping_ = true;
+    orphaned.swap(queue_);
+  }
+  if (worker_.joinable()) worker_.join();
+  if (orphaned.empty()) return;
+  absl::Status st = absl::AbortedError(absl::StrCat(
+      where(orphaned.front().call), ": the group handle was destroyed with ", orphaned.size(),
+      orphaned.size() == 1 ? " call" : " calls", " queued and not started"));
+  {
+    absl::MutexLock lock(&world_->mu_);
+    g_->queued[me_] -= static_cast<int>(orphaned.size());
+    world_->fail_locked(st);
+  }
+  for (Queued& q : orphaned) q.work->complete(st);
 }
 
 std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {

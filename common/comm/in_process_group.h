@@ -4,8 +4,14 @@
 // Usage: create one InProcessWorld for n ranks, then have thread r take world->group(r) (once) and use it
 // as its ProcessGroup.
 //
-// Algorithms (Note [in-process collectives]): a collective is executed in the calling thread and the
-// returned Work is already complete. Every call is two rendezvous points with the group's other ranks:
+// Asynchrony (Note [in-process progress engine] in in_process_group.cc): a collective on a group of more
+// than one rank is queued to the handle's worker thread and returns at once; the worker runs the calls in
+// issue order and completes each Work, so compute overlaps communication as with TCP and NCCL. The queued
+// call holds its tensors until every peer has finished with them; the caller may drop its handles at once.
+// A group of one rank runs its calls in the calling thread.
+//
+// Algorithms (Note [in-process collectives]). Every call is two rendezvous points with the group's other
+// ranks:
 //   enter: each rank publishes its call (kind, dtype, sizes, buffer addresses); the last to arrive checks
 //          that all ranks agree and fails the group if not;
 //   data:  each rank moves its share straight from/to its peers' buffers (no staging copy):
@@ -33,7 +39,8 @@
 // every rank fails with a Status naming the origin rank and operation.
 //
 // Thread-safety: InProcessWorld's methods may be called from any thread. Each group handle follows the
-// ProcessGroup contract (one thread issues its calls).
+// ProcessGroup contract (one thread issues its calls). Destroying a handle fails the calls it queued and
+// had not started (aborting the world: the peers would wait for them) and joins its worker.
 #pragma once
 
 #include <cstdint>
@@ -71,8 +78,8 @@ class InProcessWorld {
   // first reason wins). Idempotent.
   void abort(const absl::Status& reason);
   // Declares that world rank `rank` will issue no more calls (its thread is done): calls of other ranks
-  // that wait for it fail at once, naming it, instead of waiting for their deadline. The harness calls
-  // this when a rank's function returns.
+  // that wait for it fail at once, naming it, instead of waiting for their deadline (calls it issued before
+  // departing still run: a group waits for them first). The harness calls this when a rank's function returns.
   void mark_departed(int rank);
   // OK, or the first failure.
   absl::Status status() const;

@@ -14,8 +14,8 @@
 //     caller until the returned Work has completed. (The Work keeps the Tensor handles, so their storage
 //     stays alive; the caller must still not touch the bytes.)
 //
-// Calls return a Work at once (a backend may already have completed it, e.g. the in-process backend runs
-// collectives in the calling thread). Work::wait(timeout) returns the call's status.
+// Calls return a Work at once (every backend completes it in the background; a backend may have completed
+// it already, e.g. a group of one rank). Work::wait(timeout) returns the call's status.
 //
 // Failure (Note [group failure]): a call fails when the arguments are wrong on this rank
 // (InvalidArgument), when ranks disagree about a call (InvalidArgument naming both ranks, "expected X,
