@@ -37,7 +37,8 @@ struct GraphTask {
   std::deque<std::function<void()>> callbacks;
 };
 
-// The backward running on this thread (rank), if any; nested backwards (from a hook) stack.
+// The backward running on this thread (rank), if any; nested backwards (from a hook or node) stack, or share
+// the enclosing one's callback queue (BackwardOptions::callbacks_to_enclosing).
 thread_local GraphTask* tl_task = nullptr;
 
 class TaskScope {
@@ -105,7 +106,9 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
   }
 
   GraphTask task;
-  TaskScope task_scope(&task);
+  // callbacks_to_enclosing: queue_callback() inside this backward feeds the enclosing one's queue (which runs
+  // them after the enclosing backward); this backward's own queue then stays empty.
+  TaskScope task_scope(options.callbacks_to_enclosing && tl_task != nullptr ? tl_task : &task);
   NoGradGuard no_grad;
 
   // Dependencies: number of edges into each reachable node.

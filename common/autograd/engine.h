@@ -14,7 +14,9 @@
 //
 // Final callbacks: queue_callback(fn), only while a backward runs on the calling thread (typically
 // from a hook), queues fn to run once after every node and hook of this backward; callbacks run in
-// queue order and may queue more callbacks, which run in the same backward.
+// queue order and may queue more callbacks, which run in the same backward. A backward started from
+// inside another one (from a node or hook) has callbacks of its own, unless it passes
+// BackwardOptions::callbacks_to_enclosing.
 //
 // State: all engine state (grad mode, the running backward, its callback queue, node sequence numbers)
 // is per thread, never process-global: simulated ranks are threads and run backward concurrently.
@@ -54,6 +56,11 @@ class StatusError : public std::runtime_error {
 struct BackwardOptions {
   // Keep saved tensors so backward can run through the graph again.
   bool retain_graph = false;
+  // For a backward run from inside another backward on the same thread (activation checkpointing runs one
+  // from a node, nn/checkpoint.h): queue_callback() during it queues on the enclosing backward, so final
+  // callbacks (ShardedDDP's flush, FSDP's finalize) run once, after the whole outer backward, not at the end of
+  // this inner one. Without an enclosing backward it changes nothing.
+  bool callbacks_to_enclosing = false;
 };
 
 // `root` must require grad. `grad` is the gradient w.r.t. root (same shape); when undefined, root must

@@ -37,9 +37,16 @@ Tensor Module::operator()(const Tensor& x) {
 }
 
 TensorList Module::call(const TensorList& inputs) {
+  if (call_wrapper_) return call_wrapper_(inputs, [this](const TensorList& in) { return call_hooked(in); });
+  return call_hooked(inputs);
+}
+
+TensorList Module::call_hooked(const TensorList& inputs) {
   if (pre_hooks_->empty() && post_hooks_->empty()) return forward_list(inputs);
   return run_hooked(inputs, [this](const TensorList& in) { return forward_list(in); });
 }
+
+void Module::set_call_wrapper(CallWrapper wrapper) { call_wrapper_ = std::move(wrapper); }
 
 TensorList Module::run_hooked(const TensorList& inputs, const std::function<TensorList(const TensorList&)>& body) {
   TensorList in = inputs;

@@ -14,9 +14,9 @@
 //
 // Calling: `module(x)` (one tensor in, one out) or `module.call({...})` (lists) runs the forward pre-hooks,
 // forward, then the forward hooks (DESIGN.md hook table: FSDP unshards before forward and reshards after,
-// ShardedDDP syncs buffers). Composite modules must call their children this way, not child->forward(),
-// so the children's hooks run. Override forward(Tensor) for one-in-one-out modules, or forward_list for
-// several inputs/outputs.
+// ShardedDDP syncs buffers), inside the module's call wrapper when it has one (set_call_wrapper). Composite
+// modules must call their children this way, not child->forward(), so the children's hooks run. Override
+// forward(Tensor) for one-in-one-out modules, or forward_list for several inputs/outputs.
 //
 // Shared parameters: the same tensor registered under two names (GPT's tied embedding) is listed once by
 // named_parameters() under the first name in registration order (PyTorch's rule); pass
@@ -153,6 +153,18 @@ class Module {
   // composable API that hooks a module's forward (fsdp::fully_shard) refuses them.
   virtual bool has_forward() const { return true; }
 
+  // ---- call wrapper (activation checkpointing) -------------------------------------------------
+  // A function that runs each call of this module (operator(), call()) in place of the hooked forward: it
+  // gets the inputs and `hooked`, which runs the forward pre-hooks, forward and the forward hooks, and returns
+  // the outputs. Every hook runs inside the wrapper, whatever the order in which they and the wrapper were
+  // installed. nn::checkpoint (nn/checkpoint.h) installs one that runs `hooked` without grad and again in
+  // backward. One per module: set_call_wrapper replaces, nullptr removes. `hooked` is valid while the module
+  // lives (it may be kept, e.g. by a backward node).
+  using HookedCall = std::function<TensorList(const TensorList& inputs)>;
+  using CallWrapper = std::function<TensorList(const TensorList& inputs, const HookedCall& hooked)>;
+  void set_call_wrapper(CallWrapper wrapper);
+  bool has_call_wrapper() const { return static_cast<bool>(call_wrapper_); }
+
   // ---- attached state (composable APIs) --------------------------------------------------------
   // A composable API applied to this module (fsdp::fully_shard) keeps its per-module state here, owned by
   // the module and destroyed with it (its hooks with it). One slot per key; set_attachment replaces.
@@ -170,6 +182,7 @@ class Module {
  private:
   void add_child(const std::string& name, std::shared_ptr<Module> module);
   TensorList run_hooked(const TensorList& inputs, const std::function<TensorList(const TensorList&)>& body);
+  TensorList call_hooked(const TensorList& inputs);
   void collect_parameters(const std::string& prefix, bool recurse, NamedTensors& out) const;
   void collect_buffers(const std::string& prefix, NamedTensors& out) const;
 
@@ -182,6 +195,7 @@ class Module {
   std::shared_ptr<autograd::HookList<ForwardHook>> post_hooks_;
   std::vector<std::pair<std::string, std::shared_ptr<Attachment>>> attachments_;
   std::vector<std::string> forward_methods_;
+  CallWrapper call_wrapper_;
 };
 
 }  // namespace shardkit::nn
