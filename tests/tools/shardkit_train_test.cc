@@ -632,5 +632,37 @@ TEST(ShardkitTrainBadInput, InitFromAFileThatDoesNotFitAndUnwritableExport) {
   fs::remove_all(dir);
 }
 
+// --checkpoint-activations: every strategy ends with the parameters of the same run without it (the recompute is
+// the same computation), and the report shows rank 0's activation peak with and without checkpointing (a column of
+// the memory table and a line), the one with lower.
+TEST(ShardkitTrain, CheckpointActivationsKeepsTheParametersAndLowersTheActivationPeak) {
+  for (const std::string strategy : {"ddp", "sddp", "fsdp"}) {
+    SCOPED_TRACE(strategy);
+    const std::vector<std::string> args = {"--strategy", strategy, "--ranks", "2", "--steps", "2", "--model", "tiny",
+                                           "--sample", "0"};
+    const auto plain = Train(args);
+    std::vector<std::string> with_args = args;
+    with_args.push_back("--checkpoint-activations");
+    const auto ckpt = Train(with_args);
+    ASSERT_EQ(plain.exit_code, 0) << plain.err;
+    ASSERT_EQ(ckpt.exit_code, 0) << ckpt.err;
+    EXPECT_EQ(Field(ckpt.out, "parameter digest: "), Field(plain.out, "parameter digest: "));
+    EXPECT_EQ(Field(ckpt.out, "final loss: "), Field(plain.out, "final loss: "));
+    EXPECT_THAT(ckpt.out, HasSubstr("activ (ckpt)"));
+    EXPECT_THAT(ckpt.out, HasSubstr("activ w/o ckpt"));
+    EXPECT_THAT(plain.out, ::testing::Not(HasSubstr("activ w/o ckpt")));
+    std::smatch m;
+    const std::string line = Field(ckpt.out, "rank 0's activation peak ");
+    ASSERT_TRUE(std::regex_search(line, m, std::regex("^([0-9,]+) bytes with, ([0-9,]+) bytes without"))) << ckpt.out;
+    auto bytes = [](std::string v) {
+      v.erase(std::remove(v.begin(), v.end(), ','), v.end());
+      return std::stoll(v);
+    };
+    const long long with = bytes(m[1]), without = bytes(m[2]);
+    EXPECT_GT(with, 0);
+    EXPECT_LT(with, without);
+  }
+}
+
 }  // namespace
 }  // namespace shardkit

@@ -198,6 +198,8 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       o.resume = true;
     } else if (flag == "--compare") {
       o.compare = true;
+    } else if (flag == "--checkpoint-activations") {
+      o.checkpoint_activations = true;
     } else if (flag == "--svg") {
       auto v = next();
       if (!v.ok()) return v.status();
@@ -245,6 +247,10 @@ std::string usage() {
       "  --checkpoint-dir DIR    write DIR/checkpoint.skck every --checkpoint-every steps (default 50) and at the end\n"
       "  --resume                continue from DIR/checkpoint.skck\n"
       "  --compare               run every strategy on the same model and data; table + SVG (--svg FILE)\n"
+      "  --checkpoint-activations\n"
+      "                          recompute each transformer block's activations in backward instead of keeping\n"
+      "                          them (same results, less activation memory); the report shows the activation\n"
+      "                          peak with and without\n"
       "  --log FILE.jsonl        one JSON object per step: step, loss, lr, tokens/s, seconds, memory by category\n"
       "  --export FILE.safetensors\n"
       "                          after the last step, the weights with GPT-2's names in one file (rank 0); a path\n"

@@ -72,6 +72,10 @@ struct Options {
   std::int64_t checkpoint_every = 50;
   bool resume = false;
   bool compare = false;
+  // --checkpoint-activations: every transformer block checkpointed (nn::checkpoint_blocks): its activations are
+  // recomputed in backward; the report shows the activation peak with it and without it (Note [activation peak
+  // without checkpointing] in trainer.cc).
+  bool checkpoint_activations = false;
   std::string svg = "shardkit-compare.svg";
   std::int64_t sample_bytes = 160;
   // Test-only: the process SIGKILLs itself right after this step (a kill between steps). 0: never.

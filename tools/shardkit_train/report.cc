@@ -148,8 +148,13 @@ std::string run_report(const Options& o, const RunResult& r) {
       break;
   }
   absl::StrAppend(&out, ")\n");
-  absl::StrAppend(&out, absl::StrFormat("%-5s %-26s %-26s %-26s %12s %12s %12s\n", "rank", "parameter (formula)",
-                                        "gradient (formula)", "optimizer (formula)", "activation", "comm buffer", "other"));
+  // --checkpoint-activations: one more column, the activation peak without checkpointing (Note [activation peak
+  // without checkpointing] in trainer.cc).
+  const bool ckpt = o.checkpoint_activations;
+  absl::StrAppend(&out, absl::StrFormat("%-5s %-26s %-26s %-26s %12s %12s %12s", "rank", "parameter (formula)",
+                                        "gradient (formula)", "optimizer (formula)", ckpt ? "activ (ckpt)" : "activation",
+                                        "comm buffer", "other"));
+  absl::StrAppend(&out, ckpt ? absl::StrFormat(" %14s\n", "activ w/o ckpt") : "\n");
   for (int rk = 0; rk < n; ++rk) {
     const RankStats& s = r.ranks[static_cast<std::size_t>(rk)];
     std::string cells[3];
@@ -158,12 +163,21 @@ std::string run_report(const Options& o, const RunResult& r) {
       const std::int64_t got = peak_of(s, kCategories[c]);
       cells[c] = absl::StrCat(human_bytes(got), " (", human_bytes(e.bytes), got == e.bytes ? " =" : "", ")");
     }
-    absl::StrAppend(&out, absl::StrFormat("%-5d %-26s %-26s %-26s %12s %12s %12s\n", rk, cells[0], cells[1], cells[2],
+    absl::StrAppend(&out, absl::StrFormat("%-5d %-26s %-26s %-26s %12s %12s %12s", rk, cells[0], cells[1], cells[2],
                                           human_bytes(peak_of(s, MemoryCategory::activation)),
                                           human_bytes(peak_of(s, MemoryCategory::communication_buffer)),
                                           human_bytes(peak_of(s, MemoryCategory::other))));
+    absl::StrAppend(&out, ckpt ? absl::StrFormat(" %14s\n", human_bytes(s.activation_peak_without_checkpointing)) : "\n");
   }
   absl::StrAppend(&out, "  (x (y =): measured x, formula y, exactly equal; owned = elements of optimizer state on the rank)\n");
+  if (ckpt && !r.ranks.empty() && r.ranks[0].activation_peak_without_checkpointing >= 0) {
+    const std::int64_t with = peak_of(r.ranks[0], MemoryCategory::activation);
+    const std::int64_t without = r.ranks[0].activation_peak_without_checkpointing;
+    absl::StrAppend(&out, "activation checkpointing (every transformer block recomputed in backward): rank 0's activation "
+                          "peak ", with_commas(with), " bytes with, ", with_commas(without), " bytes without",
+                    without > 0 ? absl::StrFormat(" (%.0f%%)", 100.0 * static_cast<double>(with) / static_cast<double>(without)) : "",
+                    "\n");
+  }
   absl::StrAppend(&out, "\ncommunication per step (bytes sent per rank, ProcessGroup counters):");
   for (int rk = 0; rk < n; ++rk) absl::StrAppend(&out, rk == 0 ? " " : ", ", with_commas(r.ranks[static_cast<std::size_t>(rk)].bytes_sent_per_step));
   absl::StrAppend(&out, absl::StrFormat("  (= %.2f x 4Psi)\n", static_cast<double>(r.ranks[0].bytes_sent_per_step) / (4.0 * static_cast<double>(psi))));

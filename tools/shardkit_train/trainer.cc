@@ -14,6 +14,7 @@
 #include "common/autograd/grad_mode.h"
 #include "common/comm/run_ranks.h"
 #include "common/comm/init_from_env.h"
+#include "common/nn/checkpoint.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
 #include "common/optim/finite.h"
@@ -374,6 +375,27 @@ absl::Status export_model(Strategy strategy, nn::GPT& model, comm::ProcessGroup&
   return pg.barrier({.tag = "export written"})->wait();
 }
 
+// Note [activation peak without checkpointing]
+// With --checkpoint-activations the report puts the activation peak of the run next to the one the same run
+// would have had without checkpointing. That one is measured after the last step, on every rank: checkpointing
+// off, one forward and backward of the last step's batch (with the strategy's reductions, which every rank runs
+// alike), no optimizer step, gradients zeroed, checkpointing back on. Parameters, losses and the digest are
+// those of the checkpointed run, which equal the run without it (the recompute is the same computation).
+absl::StatusOr<std::int64_t> activation_peak_without_checkpointing(nn::GPT& model, Runner& runner, MemoryTracker& ledger,
+                                                                   const Corpus& corpus, const Options& o, int rank,
+                                                                   int world) {
+  nn::remove_checkpoint_blocks(model);
+  auto [x, y] = batch(corpus, o.seed, o.steps - 1, rank, world, o.batch, model.config().context);
+  runner.zero_grad();
+  ledger.reset_peaks();
+  absl::Status st = runner.backward(model.loss(x, y));
+  const std::int64_t peak = ledger.peak(MemoryCategory::activation);
+  runner.zero_grad();
+  SKT_RETURN_IF_ERROR(nn::checkpoint_blocks(model));
+  if (!st.ok()) return st;
+  return peak;
+}
+
 // The per-rank loop (same code for threads and processes).
 absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy strategy, const Corpus& corpus,
                                                     const Checkpoint* resume, const StepObserver& observe,
@@ -387,6 +409,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   nn::GPT model(cfg, o.seed);
   const std::int64_t num_params = model.num_parameters();  // (under fsdp, parameters() are shards afterwards)
   if (init != nullptr) SKT_RETURN_IF_ERROR(model.load_state_dict(*init));  // before sharding: every rank the same
+  if (o.checkpoint_activations) SKT_RETURN_IF_ERROR(nn::checkpoint_blocks(model));
   auto runner = make_runner(strategy, model, pg, o);
   if (!runner.ok()) return runner.status();
   std::int64_t start = 0;
@@ -505,17 +528,24 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     if (o.stop_after_step == step + 1 && rank == 0) ::kill(::getpid(), SIGKILL);  // test-only: a kill between steps
   }
   res.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::int64_t activation_without = -1;
+  if (o.checkpoint_activations && counted_steps > 0) {
+    auto peak_without = activation_peak_without_checkpointing(model, **runner, ledger, corpus, o, rank, world);
+    if (!peak_without.ok()) return peak_without.status();
+    activation_without = *peak_without;
+  }
   if (!o.export_path.empty()) SKT_RETURN_IF_ERROR(export_model(strategy, model, *pg, o.export_path));
   const std::int64_t timed = std::max<std::int64_t>(1, counted_steps - 1);
   res.seconds_per_step = counted_steps == 0 ? 0 : step_seconds_sum / static_cast<double>(counted_steps == 1 ? 1 : timed);
 
   // Gather every rank's figures on every rank (after the counted steps).
-  constexpr int kFields = kNumMemoryCategories + 2;
+  constexpr int kFields = kNumMemoryCategories + 3;
   Tensor mine = Tensor::zeros({kFields}, TensorOptions{}.with_dtype(DType::i64));
   auto* m = static_cast<std::int64_t*>(mine.raw_data());
   for (int c = 0; c < kNumMemoryCategories; ++c) m[c] = peak[static_cast<std::size_t>(c)];
   m[kNumMemoryCategories] = counted_steps == 0 ? 0 : sent / counted_steps;
   m[kNumMemoryCategories + 1] = (*runner)->owned_numel();
+  m[kNumMemoryCategories + 2] = activation_without;
   Tensor all = Tensor::zeros({kFields * world}, TensorOptions{}.with_dtype(DType::i64));
   SKT_RETURN_IF_ERROR(pg->all_gather(all, mine, {.tag = "stats"})->wait());
   SKT_RETURN_IF_ERROR((*runner)->gather_model());  // for the digest and the sample (rank 0 only)
@@ -529,6 +559,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     for (int c = 0; c < kNumMemoryCategories; ++c) s.peak[static_cast<std::size_t>(c)] = a[r * kFields + c];
     s.bytes_sent_per_step = a[r * kFields + kNumMemoryCategories];
     s.owned_numel = a[r * kFields + kNumMemoryCategories + 1];
+    s.activation_peak_without_checkpointing = a[r * kFields + kNumMemoryCategories + 2];
     res.ranks.push_back(s);
   }
   res.param_digest = digest(model);

@@ -25,6 +25,8 @@
 // parameters in bf16. Compute and the
 // stored parameters stay fp32 (the autograd ops are fp32-only), so the memory formulas are the fp32 ones.
 //
+// --checkpoint-activations: nn::checkpoint_blocks on every rank's model before the runner wraps or shards it.
+//
 // Measurements, per rank: per-category peak bytes of the ledger over the training steps (peaks restart
 // at each step; checkpoint work between steps is not counted, and only steps up to the first checkpoint
 // count, because Oss keeps the consolidated full state on rank 0 after consolidate_state_dict()), bytes
@@ -61,6 +63,9 @@ struct RankStats {
   std::array<std::int64_t, kNumMemoryCategories> peak{};  // bytes, max over step windows
   std::int64_t bytes_sent_per_step = 0;                    // mean over the steps run
   std::int64_t owned_numel = 0;                            // elements of optimizer state this rank owns
+  // --checkpoint-activations: the activation peak of one more forward + backward without checkpointing
+  // (Note [activation peak without checkpointing] in trainer.cc); -1 when not measured.
+  std::int64_t activation_peak_without_checkpointing = -1;
 };
 
 struct RunResult {
