@@ -10,13 +10,14 @@
 //   oss_greedy / oss_flat     DistributedDataParallel + oss::Oss (ZeRO-1)
 //   sddp_greedy / sddp_flat   ShardedDataParallel + oss::Oss (ZeRO-2: reduce to owner / reduce-scatter)
 //   fsdp                      fsdp::fully_shard, nested units (every MLP, every TransformerBlock, the root),
-//                             AdamW over model.parameters() (the shards); no prefetch yet
-//                             (ZeRO-3)
+//                             AdamW over model.parameters() (the shards), implicit prefetch (ZeRO-3)
+//   fsdp_no_prefetch          the same with implicit_prefetch off (each unit gathers when it runs)
 // The reported time is the strategy's step (rank 0's wall time; every rank is synchronised by the
 // collectives); counters:
 //   vs_ddp              strategy step time / DDP step time (goals: OSS <= 1.05, ShardedDDP <= 1.0)
-//   overlap_frac        share of gradient bytes whose reduction was issued before the backward's last
-//                       gradient was ready (sddp ReductionStats; goal >= 0.7; not reported for fsdp)
+//   overlap_frac        DDP-class: share of gradient bytes whose reduction was issued before the backward's
+//                       last gradient was ready (sddp ReductionStats; goal >= 0.7); fsdp: share of all-gather and
+//                       reduce-scatter bytes issued ahead of their use (fsdp CommOverlapStats; goal >= 0.8)
 //   ddp_step_ms         the DDP step
 //   <category>_peak_B   rank 0's peak bytes per ledger category during the strategy's steps
 //   ddp_optimizer_state_peak_B   the same for DDP, to compare
@@ -25,6 +26,7 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <optional>
 
 #include "common/autograd/engine.h"
 #include "common/comm/testing/run_ranks.h"
@@ -55,7 +57,7 @@ std::pair<Tensor, Tensor> Batch(const nn::GPTConfig& c, int rank, int step) {
   return {Tensor::from_int64(x, {kBatchPerRank, kSeq}), Tensor::from_int64(y, {kBatchPerRank, kSeq})};
 }
 
-enum class Strategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat, fsdp };
+enum class Strategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat, fsdp, fsdp_no_prefetch };
 
 // Forward and backward of a model wrapped by a data-parallel wrapper (which reduces the gradients during
 // backward). The caller has zeroed the gradients through its optimizer (Note [training step contract]).
@@ -66,8 +68,8 @@ absl::Status ForwardBackward(nn::GPT& model, int rank, int step) {
 }
 
 void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
-  const bool sharded_grads =
-      strategy == Strategy::sddp_greedy || strategy == Strategy::sddp_flat || strategy == Strategy::fsdp;
+  const bool is_fsdp = strategy == Strategy::fsdp || strategy == Strategy::fsdp_no_prefetch;
+  const bool sharded_grads = strategy == Strategy::sddp_greedy || strategy == Strategy::sddp_flat || is_fsdp;
   const oss::PartitionPolicy policy = strategy == Strategy::oss_greedy || strategy == Strategy::sddp_greedy
                                           ? oss::PartitionPolicy::greedy
                                           : oss::PartitionPolicy::flat;
@@ -86,6 +88,7 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
     std::unique_ptr<oss::Oss> oss_opt;
     std::unique_ptr<sddp::DataParallel> ddp_wrap, oss_wrap;
     std::unique_ptr<optim::Optimizer> fsdp_opt;  // over the shards (oss_model.parameters() after fully_shard)
+    std::optional<fsdp::FSDPModule> fsdp_root;
     {
       RankContextScope scope(ddp_ctx);
       MemoryCategoryScope params(MemoryCategory::parameter);
@@ -101,15 +104,18 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
       oss_model = std::make_unique<nn::GPT>(config, 1);
     }
     psi = oss_model->num_parameters();  // (after fully_shard, parameters() are the shards)
-    if (strategy == Strategy::fsdp) {
+    if (is_fsdp) {
       RankContextScope scope(oss_ctx);
+      const fsdp::FullyShardOptions options{.implicit_prefetch = strategy == Strategy::fsdp};
       // Nested units, bottom-up: every block's MLP, every block, then the root.
       for (const char* type : {"MLP", "TransformerBlock"}) {
         for (nn::Module* m : fsdp::modules_of_type(*oss_model, type)) {
-          if (auto u = fsdp::fully_shard(*m, env.group_ptr); !u.ok()) return u.status();
+          if (auto u = fsdp::fully_shard(*m, env.group_ptr, options); !u.ok()) return u.status();
         }
       }
-      if (auto root = fsdp::fully_shard(*oss_model, env.group_ptr); !root.ok()) return root.status();
+      auto root = fsdp::fully_shard(*oss_model, env.group_ptr, options);
+      if (!root.ok()) return root.status();
+      fsdp_root = *root;
       MemoryCategoryScope cat(MemoryCategory::optimizer_state);
       auto o = optim::AdamW::factory()({{oss_model->parameters(), optim::AdamW::default_hyper()}});
       if (!o.ok()) return o.status();
@@ -156,6 +162,7 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
         RankContextScope scope(oss_ctx);
         auto [x, y] = Batch(config, env.rank, step);
         fsdp_opt->zero_grad();
+        fsdp_root->reset_overlap_stats();
         {
           MemoryCategoryScope activations(MemoryCategory::activation);
           if (absl::Status s = autograd::try_backward(oss_model->loss(x, y)); !s.ok()) return s;
@@ -175,6 +182,7 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
         strategy_seconds += std::chrono::duration<double>(t2 - t1).count();
         sent_per_step = env.group.counters().total_sent() - sent_before;
         if (oss_wrap) overlap_sum += oss_wrap->last_backward_stats().overlap_frac();
+        if (fsdp_root) overlap_sum += fsdp_root->overlap_stats().overlap_frac();
         state.SetIterationTime(std::chrono::duration<double>(t2 - t1).count());
       }
       return absl::OkStatus();
@@ -216,8 +224,8 @@ void BM_TrainStep(benchmark::State& state, int world, Strategy strategy) {
   }
   state.counters["ddp_optimizer_state_peak_B"] = static_cast<double>(ddp_mem.peak_of(MemoryCategory::optimizer_state));
   state.counters["optimizer_state_formula_B"] = 8.0 * static_cast<double>(psi) / world;
-  if (strategy != Strategy::fsdp) state.counters["overlap_frac"] = overlap_sum / n;
-  if (strategy == Strategy::fsdp) state.counters["parameter_formula_B"] = 4.0 * static_cast<double>(psi) / world;
+  state.counters["overlap_frac"] = overlap_sum / n;
+  if (is_fsdp) state.counters["parameter_formula_B"] = 4.0 * static_cast<double>(psi) / world;
   // Gradient bytes after backward: DDP-class 4Ψ; ShardedDDP 4Ψ/N (DESIGN.md section 6).
   state.counters["gradient_formula_B"] = 4.0 * static_cast<double>(psi) / (sharded_grads ? world : 1);
   state.counters["sent_B_per_rank"] = static_cast<double>(sent_per_step);
@@ -229,7 +237,8 @@ void RegisterAll() {
                                                          {Strategy::oss_flat, "oss_flat"},
                                                          {Strategy::sddp_greedy, "sddp_greedy"},
                                                          {Strategy::sddp_flat, "sddp_flat"},
-                                                         {Strategy::fsdp, "fsdp"}};
+                                                         {Strategy::fsdp, "fsdp"},
+                                                         {Strategy::fsdp_no_prefetch, "fsdp_no_prefetch"}};
   for (int world : {2, 4}) {
     for (const auto& [strategy, label] : strategies) {
       const std::string name = std::string(label) + "/gpt-10m/n" + std::to_string(world);

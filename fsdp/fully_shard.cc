@@ -149,6 +149,38 @@ void FSDPModule::set_reduce_scatter_divide_factor(double factor, bool recurse) {
   }
 }
 
+namespace {
+
+absl::StatusOr<std::vector<FSDPState*>> prefetch_list(const FSDPState* self, const std::vector<FSDPModule>& units,
+                                                      const char* which) {
+  std::vector<FSDPState*> out;
+  for (const FSDPModule& u : units) {
+    if (&u.state() == self) {
+      return absl::InvalidArgumentError(absl::StrCat("fsdp: set_modules_to_", which, "_prefetch on a ",
+                                                     self->module().type_name(),
+                                                     " lists the unit itself; expected other units"));
+    }
+    out.push_back(&u.state());
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units) {
+  auto list = prefetch_list(state_, units, "forward");
+  if (!list.ok()) return list.status();
+  state_->set_forward_prefetch(std::move(*list));
+  return absl::OkStatus();
+}
+
+absl::Status FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& units) {
+  auto list = prefetch_list(state_, units, "backward");
+  if (!list.ok()) return list.status();
+  state_->set_backward_prefetch(std::move(*list));
+  return absl::OkStatus();
+}
+
 std::vector<ShardedTensor> sharded_parameters(const nn::Module& root) {
   std::vector<ShardedTensor> out;
   for (const auto& [name, m] : const_cast<nn::Module&>(root).named_modules()) {

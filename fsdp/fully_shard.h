@@ -104,6 +104,16 @@ class FSDPModule {
   void set_is_last_backward(bool last);
   // Gradients are summed over ranks and divided by `factor` (default: the world size, an average).
   void set_reduce_scatter_divide_factor(double factor, bool recurse = true);
+  // Explicit prefetch (Note [prefetch] in state.cc): when this unit's forward (backward) starts, start the
+  // all-gathers of `units`, in this order, instead of the implicit next unit's; an empty list prefetches nothing.
+  // Every rank must set the same lists. The units must be under the same root (checked when the forward runs);
+  // at most the root's max_prefetched_units are ahead at once. InvalidArgument: this unit itself in the list.
+  absl::Status set_modules_to_forward_prefetch(const std::vector<FSDPModule>& units);
+  absl::Status set_modules_to_backward_prefetch(const std::vector<FSDPModule>& units);
+  // How much of the root's communication was overlapped (state.h CommOverlapStats), since the first forward or
+  // the last reset. Call on the root.
+  CommOverlapStats overlap_stats() const { return state_->overlap_stats(); }
+  void reset_overlap_stats() { state_->reset_overlap_stats(); }
 
   TrainingState training_state() const { return state_->training_state(); }
   FSDPState& state() const { return *state_; }

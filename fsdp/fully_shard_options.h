@@ -27,6 +27,15 @@ struct FullyShardOptions {
   std::vector<Tensor> leave_to_ancestor = {};
   // Deadline of each collective; empty: the group's default.
   std::optional<absl::Duration> timeout = std::nullopt;
+  // Implicit prefetch (Note [prefetch] in state.cc): when this unit's forward starts, start the all-gather of the
+  // unit whose forward came next in the first forward; when its backward starts, of the unit next in reverse
+  // post-forward order; so the gather overlaps this unit's compute. An explicit list
+  // (FSDPModule::set_modules_to_forward_prefetch / set_modules_to_backward_prefetch) replaces it.
+  bool implicit_prefetch = true;
+  // Read on the root only: at most this many units are unsharding (or unsharded) ahead of their forward or
+  // backward because of a prefetch; a prefetch beyond it is not issued (the unit gathers when it runs). Each costs
+  // that unit's gather buffer and unsharded parameters.
+  int max_prefetched_units = 1;
 };
 
 }  // namespace shardkit::fsdp

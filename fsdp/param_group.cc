@@ -187,9 +187,16 @@ bool ParamGroup::has_unsharded_grads() const {
 
 void ParamGroup::drop_unsharded_grads() {
   for (const FSDPParam& p : params_) p.unsharded.set_grad(Tensor());
+  pending_reduce_.reset();  // its Work keeps the buffers until the peers are done
 }
 
 absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {
+  if (absl::Status st = start_reduce_grads(divide_factor); !st.ok()) return st;
+  return finish_reduce_grads();
+}
+
+absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor) {
+  if (absl::Status st = finish_reduce_grads(); !st.ok()) return st;
   const std::int64_t s = shard_.numel();
   const int world = pg_->size();
   // Every element is written once: a gradient's rows, or zeros (padding, parameters without a gradient).
@@ -207,18 +214,27 @@ absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {
     }
     if (g.defined()) p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
   }
-  Tensor out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient));
+  PendingReduce pending;
+  pending.out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient));
+  pending.divide_factor = divide_factor;
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
-  if (absl::Status st = pg_->reduce_scatter(out, flat, {.op = op, .timeout = timeout(),
-                                                        .tag = absl::StrCat("fsdp reduce_scatter ", name_)})
-                            ->wait();
-      !st.ok()) {
-    return st;
-  }
-  if (divide_factor) {
+  // The Work holds `flat` until the peers are done with it; this rank drops it here.
+  pending.work = pg_->reduce_scatter(pending.out, flat,
+                                     {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_)});
+  pending_reduce_ = std::move(pending);
+  return absl::OkStatus();
+}
+
+absl::Status ParamGroup::finish_reduce_grads() {
+  if (!pending_reduce_) return absl::OkStatus();
+  PendingReduce pending = std::move(*pending_reduce_);
+  pending_reduce_.reset();
+  if (absl::Status st = pending.work->wait(); !st.ok()) return st;
+  const Tensor& out = pending.out;
+  if (pending.divide_factor) {
     float* o = out.data<float>();
-    const float inv = static_cast<float>(1.0 / *divide_factor);
-    for (std::int64_t k = 0; k < s; ++k) o[k] *= inv;
+    const float inv = static_cast<float>(1.0 / *pending.divide_factor);
+    for (std::int64_t k = 0; k < out.numel(); ++k) o[k] *= inv;
   }
   for (FSDPParam& p : params_) {
     if (!p.sharded.requires_grad()) continue;  // frozen: the optimizer must not step it

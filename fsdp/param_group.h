@@ -79,9 +79,18 @@ class ParamGroup {
   // Reduces the unsharded gradients into the shards' gradients (see above). `divide_factor`: the sum is
   // divided by it (empty: by the world size, an average). Collective.
   absl::Status reduce_grads(std::optional<double> divide_factor);
+  // The same in two halves (Note [reduce-scatter in flight] in state.cc): start copies the gradients into the
+  // reduce_scatter input, releases the unsharded gradients and issues the collective; finish waits for it and
+  // gives the shards their gradients. At most one reduce per unit is in flight (start finishes a pending one
+  // first). finish is a no-op when nothing is in flight. Collective (start).
+  absl::Status start_reduce_grads(std::optional<double> divide_factor);
+  absl::Status finish_reduce_grads();
+  bool reduce_in_flight() const { return pending_reduce_.has_value(); }
+  // N × S × 4: the unit's all_gather output and reduce_scatter input, padding included.
+  std::int64_t unsharded_bytes() const { return shard_.nbytes() * pg_->size(); }
   // Whether any unsharded gradient is defined (gradients not reduced yet).
   bool has_unsharded_grads() const;
-  // Drops the unsharded gradients (a failed backward).
+  // Drops the unsharded gradients and a reduce in flight (a failed backward).
   void drop_unsharded_grads();
 
   const std::string& name() const { return name_; }
@@ -106,6 +115,12 @@ class ParamGroup {
   std::vector<std::int64_t> k_offsets_;        // each parameter's offset in the k-shard
   Tensor kshard_;                              // released unless k-resharded
   bool k_resharded_ = false;
+  struct PendingReduce {
+    std::shared_ptr<comm::Work> work;
+    Tensor out;  // [S], the reduced rows of every parameter
+    std::optional<double> divide_factor;
+  };
+  std::optional<PendingReduce> pending_reduce_;
 };
 
 }  // namespace shardkit::fsdp

@@ -38,6 +38,34 @@ thread_local RootContext* t_forward_root = nullptr;
 // backward never ran, e.g. a loss computed with grad mode on and discarded).
 constexpr std::int64_t kPendingForwards = 8;
 
+// Note [prefetch]
+// A unit's all-gather is issued before the unit needs it, so it runs while the rank computes (every backend
+// completes collectives in the background). The root's first forward records two orders of its units with
+// parameters: pre-forward order and post-forward order (RootContext). Afterwards:
+//   forward:  when unit X's forward starts, X issues its own all-gather (unless a prefetch did), then the next
+//             unit's in pre-forward order, then waits for its own;
+//   backward: when X's pre-backward hook runs, the same with the unit before X in post-forward order (the next
+//             one backward reaches).
+// An explicit list on X (FSDPModule::set_modules_to_forward_prefetch / set_modules_to_backward_prefetch)
+// replaces the implicit successor. Every rank issues the same all-gathers in the same order because the orders
+// come from the same forward; a model whose units run in a data-dependent order must turn implicit_prefetch
+// off (as with FSDP2, its first forward is not representative).
+// Bound: a prefetch is issued only while fewer than the root's max_prefetched_units units are ahead (prefetched
+// and not yet reached by their forward or pre-backward hook); a prefetch beyond it is skipped. So besides the
+// units running (a unit, whose own gather may still be in flight while it issues its prefetches, and the units
+// it is nested in) and the root, at most that many units hold a gather buffer; a prefetched unit's parameters are
+// copied out of its gather buffer only when it runs, so the parameter peak is that without prefetch. The
+// communication-buffer peak of a forward is at most (1 + max_prefetched_units) gather buffers of the largest
+// units (fsdp_prefetch_test asserts it). A prefetched unit not reached (not run in this forward or backward) is
+// resharded by the root's post-forward and by the final callback.
+
+// Note [reduce-scatter in flight]
+// A unit's post-backward copies its gradients into the reduce-scatter input and issues the collective; the next
+// unit's post-backward (or the final callback) finishes it: waits, divides, hands the shards their gradients.
+// One reduce-scatter per root is in flight, overlapping the next unit's backward; the communication buffers hold
+// at most two units' [N × S] inputs (the one in flight, the one being filled). The final callback finishes every
+// one before backward returns, so the optimizer sees every sharded gradient.
+
 const char* training_state_name(TrainingState s) {
   switch (s) {
     case TrainingState::idle: return "idle";
@@ -134,15 +162,71 @@ void FSDPState::require_state(TrainingState wanted, const char* call) const {
 
 absl::Status FSDPState::unshard_unit() {
   if (params_ == nullptr || state_ == TrainingState::summoned) return absl::OkStatus();
-  if (absl::Status s = wait_unshard(); !s.ok()) return s;
-  return params_->unshard();
+  if (absl::Status s = issue_unshard(); !s.ok()) return s;
+  return wait_unshard();
+}
+
+absl::Status FSDPState::issue_unshard() {
+  if (params_ == nullptr || pending_unshard_ || params_->is_unsharded()) return absl::OkStatus();
+  auto h = params_->unshard_async();
+  if (!h.ok()) return h.status();
+  pending_unshard_ = std::move(*h);
+  if (ctx_ != nullptr) ctx_->overlap.bytes += params_->unsharded_bytes();
+  return absl::OkStatus();
 }
 
 absl::Status FSDPState::wait_unshard() {
+  if (ctx_ != nullptr) std::erase(ctx_->prefetched, this);
   if (!pending_unshard_) return absl::OkStatus();
   absl::Status s = pending_unshard_->wait();
   pending_unshard_.reset();
   return s;
+}
+
+FSDPState* FSDPState::neighbour_in(const std::vector<FSDPState*>& order, int step) const {
+  const auto it = std::find(order.begin(), order.end(), this);
+  if (it == order.end()) return nullptr;
+  const std::ptrdiff_t i = (it - order.begin()) + step;
+  return i >= 0 && i < static_cast<std::ptrdiff_t>(order.size()) ? order[static_cast<std::size_t>(i)] : nullptr;
+}
+
+void FSDPState::record_order(std::vector<FSDPState*>& order) {
+  if (params_ != nullptr && std::find(order.begin(), order.end(), this) == order.end()) order.push_back(this);
+}
+
+void FSDPState::prefetch(const std::optional<std::vector<FSDPState*>>& explicit_list, FSDPState* implicit_next) {
+  std::vector<FSDPState*> targets;
+  if (explicit_list) {
+    targets = *explicit_list;
+  } else if (options_.implicit_prefetch && ctx_->order_recorded && implicit_next != nullptr) {
+    targets.push_back(implicit_next);
+  }
+  const int limit = ctx_->root->options_.max_prefetched_units;
+  for (FSDPState* t : targets) {
+    if (t->ctx_ != ctx_) {
+      throw FsdpError(absl::InvalidArgumentError(absl::StrCat(
+          "fsdp: the prefetch list of a ", module_->type_name(), " names a ", t->module_->type_name(),
+          " that is not under the same root (", ctx_->root->module_->type_name(),
+          "); expected units of the model being run")));
+    }
+    if (t == this || t->params_ == nullptr || t->state_ != TrainingState::idle || t->pending_unshard_ ||
+        t->params_->is_unsharded()) {
+      continue;
+    }
+    if (static_cast<int>(ctx_->prefetched.size()) >= limit) return;
+    if (absl::Status s = t->issue_unshard(); !s.ok()) throw FsdpError(std::move(s));
+    ctx_->overlap.overlapped_bytes += t->params_->unsharded_bytes();
+    ctx_->prefetched.push_back(t);
+  }
+}
+
+void FSDPState::finish_reduces(std::size_t keep) {
+  while (ctx_->reducing.size() > keep) {
+    const RootContext::Reducing r = ctx_->reducing.front();
+    ctx_->reducing.erase(ctx_->reducing.begin());
+    if (r.hook != ctx_->hooks) ctx_->overlap.overlapped_bytes += r.state->params_->unsharded_bytes();
+    if (absl::Status s = r.state->params_->finish_reduce_grads(); !s.ok()) throw FsdpError(std::move(s));
+  }
 }
 
 absl::Status FSDPState::start_unshard() {
@@ -178,6 +262,12 @@ void FSDPState::pre_forward(const TensorList& inputs) {
   }
   require_state(TrainingState::idle, "forward");
   state_ = TrainingState::forward;
+  ++ctx_->hooks;
+  if (!ctx_->order_recorded) record_order(ctx_->forward_order);
+  // Note [prefetch]: own all-gather first, then the next unit's, then wait for our own.
+  if (absl::Status s = issue_unshard(); !s.ok()) throw FsdpError(std::move(s));
+  std::erase(ctx_->prefetched, this);  // running now, no longer ahead
+  prefetch(forward_prefetch_, neighbour_in(ctx_->forward_order, +1));
   if (absl::Status s = unshard_unit(); !s.ok()) throw FsdpError(std::move(s));
   if (is_root() || !autograd::is_grad_enabled()) return;
   for (const Tensor& t : inputs) {  // Note [post-backward on a unit's inputs]
@@ -203,9 +293,16 @@ void FSDPState::post_forward(const TensorList&, const TensorList& outputs) {
     params_->reshard_to_group();  // Note [reshard to a k-group] in param_group.h
   }
   state_ = TrainingState::idle;
+  if (!ctx_->order_recorded) record_order(ctx_->post_forward_order);
   if (is_root()) {
     ctx_->unit_outputs.clear();  // the forward is over
     t_forward_root = nullptr;
+    ctx_->order_recorded = true;
+    // Units prefetched and not run in this forward (Note [prefetch]).
+    for (FSDPState* s : std::vector<FSDPState*>(ctx_->prefetched)) {
+      if (s->state_ == TrainingState::idle) s->reshard_unit();
+    }
+    ctx_->prefetched.clear();
   }
   if (!grad_follows) return;
   for (const Tensor& t : outputs) {
@@ -223,8 +320,12 @@ void FSDPState::post_forward(const TensorList&, const TensorList& outputs) {
 void FSDPState::pre_backward(const std::shared_ptr<std::vector<FSDPState*>>& reduce_first) {
   in_hook([&] {
     ensure_final_callback();
+    ++ctx_->hooks;
     for (FSDPState* next : *reduce_first) next->reduce_unit();  // their post-backward
     if (state_ == TrainingState::summoned) return;
+    if (absl::Status s = issue_unshard(); !s.ok()) throw FsdpError(std::move(s));
+    std::erase(ctx_->prefetched, this);  // running now, no longer ahead
+    prefetch(backward_prefetch_, neighbour_in(ctx_->post_forward_order, -1));  // Note [prefetch]
     if (absl::Status s = unshard_unit(); !s.ok()) throw FsdpError(std::move(s));
     state_ = TrainingState::pre_backward;
   });
@@ -233,6 +334,7 @@ void FSDPState::pre_backward(const std::shared_ptr<std::vector<FSDPState*>>& red
 void FSDPState::post_backward() {
   in_hook([&] {
     ensure_final_callback();
+    ++ctx_->hooks;
     reduce_unit();
   });
 }
@@ -242,8 +344,11 @@ void FSDPState::reduce_unit() {
   reduced_ = true;
   state_ = TrainingState::post_backward;
   // Sync off (accumulation): the full gradients stay on the unsharded parameters until a synchronised backward.
-  if (params_ != nullptr && requires_gradient_sync_) {
-    if (absl::Status s = params_->reduce_grads(divide_factor_); !s.ok()) throw FsdpError(std::move(s));
+  if (params_ != nullptr && requires_gradient_sync_) {  // Note [reduce-scatter in flight]
+    finish_reduces(0);
+    if (absl::Status s = params_->start_reduce_grads(divide_factor_); !s.ok()) throw FsdpError(std::move(s));
+    ctx_->reducing.push_back({this, ctx_->hooks});
+    ctx_->overlap.bytes += params_->unsharded_bytes();
   }
   if (reshard_after_backward_) reshard_unit();
   state_ = TrainingState::idle;
@@ -258,12 +363,17 @@ void FSDPState::ensure_final_callback() {
 }
 
 void FSDPState::finalize_backward() {
+  ++ctx_->hooks;
   // Units with no post-backward in this backward, and units whose gradients arrived after it: every rank reduces
   // them, in module order (Note [post-backward on a unit's inputs]).
   for (FSDPState* s : ctx_->states) {
     if (s->state_ == TrainingState::summoned) continue;
     const bool late = s->requires_gradient_sync_ && s->params_ != nullptr && s->params_->has_unsharded_grads();
     if (!s->reduced_ || late) s->reduce_unit();
+  }
+  finish_reduces(0);
+  for (FSDPState* s : std::vector<FSDPState*>(ctx_->prefetched)) {  // prefetched, not reached (Note [prefetch])
+    if (absl::Status st = s->wait_unshard(); !st.ok()) throw FsdpError(std::move(st));
   }
   for (FSDPState* s : ctx_->states) {
     if (s->state_ == TrainingState::summoned) continue;
@@ -276,6 +386,8 @@ void FSDPState::finalize_backward() {
 void FSDPState::reset_backward_state() {
   if (ctx_ == nullptr) return;
   ctx_->in_backward = false;
+  ctx_->reducing.clear();  // dropped below with the partial gradients
+  ctx_->prefetched.clear();  // (their all-gathers are waited for by the next forward)
   for (FSDPState* s : ctx_->states) {
     if (s->params_ != nullptr) s->params_->drop_unsharded_grads();  // partial gradients of the failed backward
     s->reduced_ = false;

@@ -58,6 +58,15 @@ inline constexpr const char* kFsdpAttachment = "fsdp";
 
 class FSDPState;
 
+// Unsharded bytes (N × S × 4 per unit) of a root's unshard all-gathers and gradient reduce-scatters, and how many
+// of them were overlapped: issued ahead of the unit's use (a prefetched all-gather) or waited for after later work was issued (a
+// reduce-scatter finished by a later unit or the final callback, not right after its own issue).
+struct CommOverlapStats {
+  std::int64_t bytes = 0;
+  std::int64_t overlapped_bytes = 0;
+  double overlap_frac() const { return bytes == 0 ? 0.0 : static_cast<double>(overlapped_bytes) / static_cast<double>(bytes); }
+};
+
 // Shared by a root and every state under it.
 struct RootContext {
   FSDPState* root = nullptr;
@@ -70,6 +79,19 @@ struct RootContext {
     std::shared_ptr<std::vector<FSDPState*>> reduce_first;
   };
   std::map<const TensorImpl*, UnitOutput> unit_outputs;
+  // Note [prefetch]: the orders of the first forward (units with parameters), and the units unsharding ahead.
+  bool order_recorded = false;
+  std::vector<FSDPState*> forward_order, post_forward_order;
+  std::vector<FSDPState*> prefetched;
+  // Note [reduce-scatter in flight]: units whose reduce_scatter is issued and not finished, oldest first, with
+  // the hook that issued it.
+  struct Reducing {
+    FSDPState* state;
+    std::int64_t hook;
+  };
+  std::vector<Reducing> reducing;
+  std::int64_t hooks = 0;  // hooks run so far (tells a reduce-scatter finished by a later hook)
+  CommOverlapStats overlap;
 };
 
 class FSDPState : public nn::Module::Attachment {
@@ -98,6 +120,14 @@ class FSDPState : public nn::Module::Attachment {
   void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
   void set_reduce_scatter_divide_factor(std::optional<double> f) { divide_factor_ = f; }
   void set_is_last_backward(bool last);
+  // Explicit prefetch lists (Note [prefetch]); empty optional: implicit.
+  void set_forward_prefetch(std::vector<FSDPState*> units) { forward_prefetch_ = std::move(units); }
+  void set_backward_prefetch(std::vector<FSDPState*> units) { backward_prefetch_ = std::move(units); }
+  // The root's counters (zeros before the first forward).
+  CommOverlapStats overlap_stats() const { return ctx_ != nullptr ? ctx_->overlap : CommOverlapStats{}; }
+  void reset_overlap_stats() {
+    if (ctx_ != nullptr) ctx_->overlap = {};
+  }
 
   void pre_forward(const TensorList& inputs);
   void post_forward(const TensorList& inputs, const TensorList& outputs);
@@ -107,6 +137,15 @@ class FSDPState : public nn::Module::Attachment {
   bool reshard_after_forward() const;      // the bool form (the root's default: false)
   int reshard_after_forward_group() const;  // k of the int form, 0 otherwise
   absl::Status unshard_unit();
+  // Issues this unit's all-gather unless it is unsharded or one is in flight.
+  absl::Status issue_unshard();
+  // Prefetches the units of `explicit_list`, or else `implicit_next` (Note [prefetch]).
+  void prefetch(const std::optional<std::vector<FSDPState*>>& explicit_list, FSDPState* implicit_next);
+  // The unit after (step +1) or before (step -1) this one in `order`, or nullptr.
+  FSDPState* neighbour_in(const std::vector<FSDPState*>& order, int step) const;
+  void record_order(std::vector<FSDPState*>& order);
+  // Finishes the oldest reduce-scatters in flight until at most `keep` remain (Note [reduce-scatter in flight]).
+  void finish_reduces(std::size_t keep);
   void reshard_unit();
   void reduce_unit();
   void pre_backward(const std::shared_ptr<std::vector<FSDPState*>>& reduce_first);
@@ -122,6 +161,7 @@ class FSDPState : public nn::Module::Attachment {
   FullyShardOptions options_;
   std::unique_ptr<ParamGroup> params_;
   std::optional<ParamGroup::UnshardHandle> pending_unshard_;
+  std::optional<std::vector<FSDPState*>> forward_prefetch_, backward_prefetch_;
   std::shared_ptr<RootContext> ctx_;
   TrainingState state_ = TrainingState::idle;
   bool requires_gradient_sync_ = true;
