@@ -247,10 +247,18 @@ void FSDPState::reshard_unit() {
   params_->reshard();
 }
 
+// Note [forward inside backward]
+// An activation-checkpoint recompute (nn::checkpoint) runs a unit's forward, hooks included, while a backward
+// runs, right before that unit's own backward. Such a forward gathers the unit as any other, but prefetches
+// nothing in forward order (the next unit's backward already ran), records no order, and keeps the unit
+// unsharded afterwards (no reshard_after_forward) and out of RootContext::unit_outputs: its pre-backward hook, on
+// the recomputed outputs, comes next and finds it gathered, so checkpointing costs no extra all-gather.
+
 void FSDPState::pre_forward(const TensorList& inputs) {
   if (ctx_ == nullptr) lazy_init();
   if (state_ == TrainingState::summoned) return;  // gathers and releases nothing until reshard()
-  if (is_root()) {
+  const bool recompute = autograd::is_backward_running();  // Note [forward inside backward]
+  if (is_root() && !recompute) {
     // A backward that ended without its final callback (a hook threw): start clean.
     if (ctx_->in_backward && !autograd::is_backward_running()) reset_backward_state();
     ++ctx_->forwards;
@@ -263,11 +271,11 @@ void FSDPState::pre_forward(const TensorList& inputs) {
   require_state(TrainingState::idle, "forward");
   state_ = TrainingState::forward;
   ++ctx_->hooks;
-  if (!ctx_->order_recorded) record_order(ctx_->forward_order);
+  if (!ctx_->order_recorded && !recompute) record_order(ctx_->forward_order);
   // Note [prefetch]: own all-gather first, then the next unit's, then wait for our own.
   if (absl::Status s = issue_unshard(); !s.ok()) throw FsdpError(std::move(s));
   std::erase(ctx_->prefetched, this);  // running now, no longer ahead
-  prefetch(forward_prefetch_, neighbour_in(ctx_->forward_order, +1));
+  if (!recompute) prefetch(forward_prefetch_, neighbour_in(ctx_->forward_order, +1));
   if (absl::Status s = unshard_unit(); !s.ok()) throw FsdpError(std::move(s));
   if (is_root() || !autograd::is_grad_enabled()) return;
   for (const Tensor& t : inputs) {  // Note [post-backward on a unit's inputs]
@@ -287,14 +295,17 @@ void FSDPState::post_forward(const TensorList&, const TensorList& outputs) {
   if (state_ == TrainingState::summoned) return;
   const bool grad_follows =
       std::any_of(outputs.begin(), outputs.end(), [](const Tensor& t) { return t.defined() && t.requires_grad(); });
-  if (!grad_follows || reshard_after_forward()) {
+  const bool recompute = autograd::is_backward_running();  // Note [forward inside backward]
+  if (recompute && grad_follows) {
+    // Kept unsharded for the pre-backward hook that follows.
+  } else if (!grad_follows || reshard_after_forward()) {
     reshard_unit();  // (no gradient follows: no backward needs them)
   } else if (reshard_after_forward_group() > 0 && params_ != nullptr && params_->is_unsharded()) {
     params_->reshard_to_group();  // Note [reshard to a k-group] in param_group.h
   }
   state_ = TrainingState::idle;
-  if (!ctx_->order_recorded) record_order(ctx_->post_forward_order);
-  if (is_root()) {
+  if (!ctx_->order_recorded && !recompute) record_order(ctx_->post_forward_order);
+  if (is_root() && !recompute) {
     ctx_->unit_outputs.clear();  // the forward is over
     t_forward_root = nullptr;
     ctx_->order_recorded = true;
@@ -308,7 +319,7 @@ void FSDPState::post_forward(const TensorList&, const TensorList& outputs) {
   for (const Tensor& t : outputs) {
     if (!t.defined() || !t.requires_grad()) continue;
     auto reduce_first = std::make_shared<std::vector<FSDPState*>>();
-    if (!is_root()) ctx_->unit_outputs[t.id()] = {t, reduce_first};
+    if (!is_root() && !recompute) ctx_->unit_outputs[t.id()] = {t, reduce_first};
     backward_hooks_.push_back(
         {ctx_->forwards, autograd::register_hook(t, [this, reduce_first](const Tensor&) -> std::optional<Tensor> {
            pre_backward(reduce_first);
