@@ -68,8 +68,10 @@ absl::Status UnshardHandle::wait() {
   return s->wait_unshard();
 }
 
-absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group,
-                                       FullyShardOptions options) {
+namespace {
+
+absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group,
+                                        std::shared_ptr<comm::ProcessGroup> replicate, FullyShardOptions options) {
   if (!module.has_forward()) {
     return absl::InvalidArgumentError(absl::StrCat("fully_shard: a ", module.type_name(),
                                                    " has no forward of its own, so its parameters would never be "
@@ -97,7 +99,7 @@ absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm:
   std::unique_ptr<ParamGroup> pg;
   if (!params->empty()) {
     pg = std::make_unique<ParamGroup>(absl::StrCat(module.type_name(), " '", params->front().names.front(), "'..."),
-                                      std::move(*params), group, options.timeout);
+                                      std::move(*params), group, std::move(replicate), options.timeout);
   }
   if (pg != nullptr && reshard_group > 0) {
     if (absl::Status s = pg->enable_group_reshard(reshard_group); !s.ok()) return s;  // collective (a split)
@@ -108,9 +110,20 @@ absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm:
     if (t.offset_bytes() == 0 && t.storage()->nbytes() == t.nbytes() && !t.storage_released()) t.release_storage();
   }
   auto state = std::make_shared<FSDPState>(module, std::move(group), std::move(options), std::move(pg));
-  FSDPState* raw = state.get();
   module.set_attachment(kFsdpAttachment, std::move(state));
-  return FSDPModule(raw);
+  return state_of(module);
+}
+
+}  // namespace
+
+absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group,
+                                       FullyShardOptions options) {
+  return shard_module(module, std::move(group), nullptr, std::move(options));
+}
+
+absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, const comm::DeviceMesh& mesh, FullyShardOptions options) {
+  if (mesh.ndim() == 1) return shard_module(module, mesh.group_ptr(0), nullptr, std::move(options));
+  return shard_module(module, mesh.group_ptr(1), mesh.group_ptr(0), std::move(options));
 }
 
 absl::StatusOr<FSDPModule> state_of(nn::Module& module) {
@@ -142,6 +155,10 @@ void FSDPModule::set_reshard_after_backward(bool on, bool recurse) {
 }
 
 void FSDPModule::set_is_last_backward(bool last) { state_->set_is_last_backward(last); }
+
+void FSDPModule::set_requires_all_reduce(bool on, bool recurse) {
+  for (FSDPState* s : recurse ? state_->subtree_states() : std::vector<FSDPState*>{state_}) s->set_requires_all_reduce(on);
+}
 
 void FSDPModule::set_reduce_scatter_divide_factor(double factor, bool recurse) {
   for (FSDPState* s : recurse ? state_->subtree_states() : std::vector<FSDPState*>{state_}) {

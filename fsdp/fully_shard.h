@@ -54,6 +54,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/comm/device_mesh.h"
 #include "common/comm/process_group.h"
 #include "common/nn/module.h"
 #include "fsdp/fully_shard_options.h"
@@ -104,6 +105,10 @@ class FSDPModule {
   void set_is_last_backward(bool last);
   // Gradients are summed over ranks and divided by `factor` (default: the world size, an average).
   void set_reduce_scatter_divide_factor(double factor, bool recurse = true);
+  // HSDP only (a unit on a 2-D mesh): false keeps each backward's reduce-scattered gradients on this rank without
+  // the all-reduce across replicas; the next backward with true all-reduces them together with its own (gradient
+  // accumulation with one all-reduce; Note [hybrid sharding] in param_group.cc). Default true.
+  void set_requires_all_reduce(bool on, bool recurse = true);
   // Explicit prefetch (Note [prefetch] in state.cc): when this unit's forward (backward) starts, start the
   // all-gathers of `units`, in this order, instead of the implicit next unit's; an empty list prefetches nothing.
   // Every rank must set the same lists. The units must be under the same root (checked when the forward runs);
@@ -119,7 +124,6 @@ class FSDPModule {
   FSDPState& state() const { return *state_; }
 
  private:
-  friend absl::StatusOr<FSDPModule> fully_shard(nn::Module&, std::shared_ptr<comm::ProcessGroup>, FullyShardOptions);
   friend absl::StatusOr<FSDPModule> state_of(nn::Module&);
   explicit FSDPModule(FSDPState* state) : state_(state) {}
   FSDPState* state_;
@@ -130,6 +134,11 @@ class FSDPModule {
 // already sharded.
 absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group,
                                        FullyShardOptions options = {});
+// On a DeviceMesh: 1-D, as over its group; 2-D (replicate × shard, comm/device_mesh.h), HSDP (Note [hybrid
+// sharding] in param_group.cc): parameters sharded over the mesh's dim-1 group (a row) and replicated across its
+// dim-0 group; gradients reduce-scattered within the row, then all-reduced across the column. Every unit of a
+// model must use the same mesh.
+absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, const comm::DeviceMesh& mesh, FullyShardOptions options = {});
 
 // The unit fully_shard made of `module`; NotFound when it is not one.
 absl::StatusOr<FSDPModule> state_of(nn::Module& module);

@@ -23,11 +23,32 @@ void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t row
   if (rows > 0 && row_numel > 0) std::memcpy(dst, src, static_cast<std::size_t>(rows * row_numel) * sizeof(float));
 }
 
+// acc += x (f32, same numel).
+void add_into(const Tensor& acc, const Tensor& x) {
+  float* a = acc.data<float>();
+  const float* o = x.data<float>();
+  for (std::int64_t k = 0; k < acc.numel(); ++k) a[k] += o[k];
+}
+
 }  // namespace
 
+// Note [hybrid sharding]
+// HSDP on a 2-D mesh (replicate × shard): each parameter is sharded over the shard group (a row of the mesh) and
+// replicated across the replicate group (a column: the ranks holding the same shard). Unshard all-gathers within
+// the shard group only. A gradient is reduce-scattered within the shard group, then the reduced rows are
+// all-reduced across the replicate group, both with the same operation (average, or sum before the divide
+// factor), so each shard ends with the average over every rank of the mesh. set_requires_all_reduce(false) (HSDP
+// gradient accumulation) keeps the reduce-scattered rows aside (`partial_`, MemoryCategory::gradient) instead of
+// all-reducing them; the next reduce that all-reduces adds them in first, so one all-reduce carries every
+// micro-batch. The all-reduce runs when the reduce-scatter is finished (not overlapped yet).
+
 ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
-                       std::optional<absl::Duration> timeout)
-    : name_(std::move(name)), params_(std::move(params)), pg_(std::move(group)), timeout_(timeout) {
+                       std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout)
+    : name_(std::move(name)),
+      params_(std::move(params)),
+      pg_(std::move(group)),
+      replicate_(std::move(replicate)),
+      timeout_(timeout) {
   const int rank = pg_->rank(), world = pg_->size();
   std::int64_t s = 0;
   for (FSDPParam& p : params_) {
@@ -195,7 +216,7 @@ absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {
   return finish_reduce_grads();
 }
 
-absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor) {
+absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor, bool all_reduce_replicas) {
   if (absl::Status st = finish_reduce_grads(); !st.ok()) return st;
   const std::int64_t s = shard_.numel();
   const int world = pg_->size();
@@ -217,6 +238,7 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor)
   PendingReduce pending;
   pending.out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient));
   pending.divide_factor = divide_factor;
+  pending.all_reduce_replicas = all_reduce_replicas;
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
   // The Work holds `flat` until the peers are done with it; this rank drops it here.
   pending.work = pg_->reduce_scatter(pending.out, flat,
@@ -231,6 +253,27 @@ absl::Status ParamGroup::finish_reduce_grads() {
   pending_reduce_.reset();
   if (absl::Status st = pending.work->wait(); !st.ok()) return st;
   const Tensor& out = pending.out;
+  if (replicate_ != nullptr) {  // Note [hybrid sharding]
+    if (!pending.all_reduce_replicas) {
+      if (partial_.defined()) {
+        add_into(partial_, out);
+      } else {
+        partial_ = out;
+      }
+      return absl::OkStatus();
+    }
+    if (partial_.defined()) {
+      add_into(out, partial_);
+      partial_ = Tensor();
+    }
+    const comm::ReduceOp op = pending.divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
+    if (absl::Status st = replicate_->all_reduce(out, {.op = op, .timeout = timeout(),
+                                                       .tag = absl::StrCat("fsdp all_reduce (replicas) ", name_)})
+                              ->wait();
+        !st.ok()) {
+      return st;
+    }
+  }
   if (pending.divide_factor) {
     float* o = out.data<float>();
     const float inv = static_cast<float>(1.0 / *pending.divide_factor);
@@ -240,9 +283,7 @@ absl::Status ParamGroup::finish_reduce_grads() {
     if (!p.sharded.requires_grad()) continue;  // frozen: the optimizer must not step it
     const Tensor mine = out.view(p.shard_offset, p.local_shape);
     if (const Tensor acc = p.sharded.grad(); acc.defined()) {  // accumulation over several backwards
-      float* a = acc.data<float>();
-      const float* o = mine.data<float>();
-      for (std::int64_t k = 0; k < acc.numel(); ++k) a[k] += o[k];
+      add_into(acc, mine);
     } else {
       p.sharded.set_grad(mine);
     }

@@ -37,8 +37,10 @@ class ParamGroup {
   // Takes the parameters (their current values: every rank must pass the same ones, e.g. built from the same
   // seed) and shards them: each rank keeps its rows in the shard buffer, the registrations point at the shards.
   // `params[i].registrations`, `names` and `global_shape` must be set; the rest is filled here.
+  // `replicate` (HSDP, Note [hybrid sharding]): the group of the ranks holding the same shard as this one (one
+  // per replica), or nullptr.
   ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
-             std::optional<absl::Duration> timeout);
+             std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout);
   ParamGroup(const ParamGroup&) = delete;
   ParamGroup& operator=(const ParamGroup&) = delete;
 
@@ -82,8 +84,10 @@ class ParamGroup {
   // The same in two halves (Note [reduce-scatter in flight] in state.cc): start copies the gradients into the
   // reduce_scatter input, releases the unsharded gradients and issues the collective; finish waits for it and
   // gives the shards their gradients. At most one reduce per unit is in flight (start finishes a pending one
-  // first). finish is a no-op when nothing is in flight. Collective (start).
-  absl::Status start_reduce_grads(std::optional<double> divide_factor);
+  // first). finish is a no-op when nothing is in flight. Collective (start; finish under HSDP).
+  // HSDP (Note [hybrid sharding]): finish then all-reduces the reduced rows across replicas, unless
+  // `all_reduce_replicas` is false: the rows are then kept aside and added in at the next reduce that all-reduces.
+  absl::Status start_reduce_grads(std::optional<double> divide_factor, bool all_reduce_replicas = true);
   absl::Status finish_reduce_grads();
   bool reduce_in_flight() const { return pending_reduce_.has_value(); }
   // N × S × 4: the unit's all_gather output and reduce_scatter input, padding included.
@@ -105,6 +109,8 @@ class ParamGroup {
   std::string name_;
   std::vector<FSDPParam> params_;
   std::shared_ptr<comm::ProcessGroup> pg_;
+  std::shared_ptr<comm::ProcessGroup> replicate_;  // HSDP, else nullptr
+  Tensor partial_;  // HSDP: reduced rows not all-reduced yet (set_requires_all_reduce(false)), or undefined
   std::optional<absl::Duration> timeout_;
   Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
   Tensor full_;   // every unsharded parameter, back to back (released at rest); each one's `unsharded` views it
@@ -119,6 +125,7 @@ class ParamGroup {
     std::shared_ptr<comm::Work> work;
     Tensor out;  // [S], the reduced rows of every parameter
     std::optional<double> divide_factor;
+    bool all_reduce_replicas = true;
   };
   std::optional<PendingReduce> pending_reduce_;
 };

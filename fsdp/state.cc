@@ -357,7 +357,7 @@ void FSDPState::reduce_unit() {
   // Sync off (accumulation): the full gradients stay on the unsharded parameters until a synchronised backward.
   if (params_ != nullptr && requires_gradient_sync_) {  // Note [reduce-scatter in flight]
     finish_reduces(0);
-    if (absl::Status s = params_->start_reduce_grads(divide_factor_); !s.ok()) throw FsdpError(std::move(s));
+    if (absl::Status s = params_->start_reduce_grads(divide_factor_, requires_all_reduce_); !s.ok()) throw FsdpError(std::move(s));
     ctx_->reducing.push_back({this, ctx_->hooks});
     ctx_->overlap.bytes += params_->unsharded_bytes();
   }

@@ -118,6 +118,7 @@ class FSDPState : public nn::Module::Attachment {
   void set_requires_gradient_sync(bool sync) { requires_gradient_sync_ = sync; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
+  void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
   void set_reduce_scatter_divide_factor(std::optional<double> f) { divide_factor_ = f; }
   void set_is_last_backward(bool last);
   // Explicit prefetch lists (Note [prefetch]); empty optional: implicit.
@@ -166,6 +167,7 @@ class FSDPState : public nn::Module::Attachment {
   TrainingState state_ = TrainingState::idle;
   bool requires_gradient_sync_ = true;
   bool reshard_after_backward_ = true;
+  bool requires_all_reduce_ = true;  // HSDP (Note [hybrid sharding] in param_group.cc)
   std::optional<double> divide_factor_;
   bool reduced_ = false;  // in the current backward
   bool pending_is_last_backward_ = true;

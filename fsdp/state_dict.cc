@@ -181,6 +181,10 @@ absl::StatusOr<std::vector<Span>> plan_rows(const std::string& what, const Shape
     return std::vector<Span>{spans.front()};  // whole in every piece: replicas
   }
   std::stable_sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.first < b.first; });
+  // Replicas of a range (HSDP): the first piece holding it is read.
+  spans.erase(std::unique(spans.begin(), spans.end(),
+                          [](const Span& a, const Span& b) { return a.first == b.first && a.rows == b.rows; }),
+              spans.end());
   std::int64_t covered = 0;  // rows [0, covered) are held
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const Span& s = spans[i];

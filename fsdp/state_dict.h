@@ -86,8 +86,10 @@ absl::StatusOr<optim::OptimizerStateDict> from_named(const nn::Module& root, con
 // load or all refuse, and a refusal (InvalidArgument naming the entry and the piece) changes nothing:
 //   * every piece of a name has the global shape the module has (or the optimizer's parameter);
 //   * each piece's local shape is [rows, d1, ...] with the global d1, ... and rows inside [0, d0);
-//   * the non-empty pieces of a name are either all whole (replicas: the first is read) or disjoint ranges that
-//     together cover [0, d0) ("pieces overlap", "missing rows");
+//   * the non-empty pieces of a name are either all whole (replicas: the first is read) or ranges that together
+//     cover [0, d0), each range either disjoint from the others or held identically by several pieces (the
+//     replicas of HSDP, Note [hybrid sharding] in param_group.cc: the first is read) ("pieces overlap",
+//     "missing rows");
 //   * strict: every name in the pieces is one of the module's ("unknown name"), and every name of the module is
 //     in some piece.
 // Values are converted to the target's dtype as nn::Module::load_state_dict does.

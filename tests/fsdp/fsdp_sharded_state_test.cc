@@ -331,9 +331,12 @@ TEST(FsdpShardedState, OverlappingPiecesAreRefused) {
   Find(pieces[1], kFc)->row_offset = 31;
   ExpectRefusedAtThree(pieces, nullptr,
                        {absl::StrCat("'", kFc, "': pieces overlap: piece 0 holds rows [0, 32) and piece 1 rows [31, 63)")});
+  // A range held identically by two pieces is a replica (HSDP) and loads; one overlapping a range partly does not.
   pieces = SavedAtTwo().model;
-  pieces.push_back(pieces[1]);  // one rank's piece twice
-  ExpectRefusedAtThree(pieces, nullptr, {"pieces overlap: piece 1 holds rows [32, 64) and piece 2 rows [32, 64)"});
+  pieces.push_back(pieces[0]);
+  Find(pieces[2], kFc)->row_offset = 16;
+  ExpectRefusedAtThree(pieces, nullptr,
+                       {absl::StrCat("'", kFc, "': pieces overlap: piece 0 holds rows [0, 32) and piece 2 rows [16, 48)")});
 }
 
 TEST(FsdpShardedState, WrongGlobalShapeIsRefused) {
