@@ -63,6 +63,9 @@ struct FSDPParam {
   std::int64_t shard_offset = 0;  // elements into the unit's shard buffer
   Tensor sharded;                 // the module's parameter at rest (leaf, requires grad)
   Tensor unsharded;               // the module's parameter while unsharded (leaf, requires grad)
+  // Whether the unsharded values are the shards' own (an f32 gather) rather than their param_dtype roundings
+  // (Note [mixed precision on f32 ops]): only exact values may be written back into the shards or saved.
+  bool unsharded_exact = true;
 
   // c · row_numel: what this parameter occupies in every rank's shard buffer (padding included).
   std::int64_t padded_numel() const { return split.rows_per_rank * split.row_numel; }

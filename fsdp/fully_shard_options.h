@@ -7,6 +7,7 @@
 
 #include "absl/time/time.h"
 #include "common/tensor/tensor.h"
+#include "fsdp/mixed_precision.h"
 
 namespace shardkit::fsdp {
 
@@ -36,6 +37,9 @@ struct FullyShardOptions {
   // backward because of a prefetch; a prefetch beyond it is not issued (the unit gathers when it runs). Each costs
   // that unit's gather buffer and unsharded parameters.
   int max_prefetched_units = 1;
+  // Mixed precision (fsdp/mixed_precision.h): the dtypes of the all-gather, the forward values, the reduce-scatter
+  // and the root's outputs. Default: f32 throughout.
+  MixedPrecisionPolicy mp_policy = {};
 };
 
 }  // namespace shardkit::fsdp

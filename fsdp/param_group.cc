@@ -23,6 +23,12 @@ void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t row
   if (rows > 0 && row_numel > 0) std::memcpy(dst, src, static_cast<std::size_t>(rows * row_numel) * sizeof(float));
 }
 
+// Copies `rows` rows of `row_numel` elements of dtype `src_dtype` at `src` into f32 `dst`.
+void copy_rows_to_f32(float* dst, const char* src, DType src_dtype, std::int64_t rows, std::int64_t row_numel) {
+  if (src_dtype == DType::f32) return copy_rows(dst, reinterpret_cast<const float*>(src), rows, row_numel);
+  if (rows > 0 && row_numel > 0) convert_elements(src, src_dtype, dst, DType::f32, rows * row_numel);
+}
+
 // acc += x (f32, same numel).
 void add_into(const Tensor& acc, const Tensor& x) {
   float* a = acc.data<float>();
@@ -43,12 +49,14 @@ void add_into(const Tensor& acc, const Tensor& x) {
 // micro-batch. The all-reduce runs when the reduce-scatter is finished (not overlapped yet).
 
 ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
-                       std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout)
+                       std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout,
+                       MixedPrecisionPolicy mp)
     : name_(std::move(name)),
       params_(std::move(params)),
       pg_(std::move(group)),
       replicate_(std::move(replicate)),
-      timeout_(timeout) {
+      timeout_(timeout),
+      mp_(mp) {
   const int rank = pg_->rank(), world = pg_->size();
   std::int64_t s = 0;
   for (FSDPParam& p : params_) {
@@ -117,12 +125,13 @@ void ParamGroup::reshard_to_group() {
     copy_rows(dst, p.unsharded.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
   }
   for (FSDPParam& p : params_) p.register_as(p.sharded);
+  k_exact_ = unsharded_exact();
   full_.release_storage();
   unsharded_ = false;
   k_resharded_ = true;
 }
 
-absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async() {
+absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) {
   UnshardHandle h;
   if (unsharded_) return h;
   h.group_ = this;
@@ -131,9 +140,12 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async() {
     h.work_ = kgroup_->all_gather(h.gathered_, kshard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_)});
     return h;
   }
+  const DType dtype = exact ? DType::f32 : mp_.gather_dtype();
   h.gathered_ = Tensor::empty({shard_.numel() * pg_->size()},
-                              TensorOptions{}.with_category(MemoryCategory::communication_buffer));
-  h.work_ = pg_->all_gather(h.gathered_, shard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)});
+                              TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(dtype));
+  // param_dtype: the shard cast for the all-gather (its Work holds the cast until the peers have read it).
+  const Tensor send = dtype == DType::f32 ? shard_ : shard_.to(dtype, MemoryCategory::communication_buffer);
+  h.work_ = pg_->all_gather(h.gathered_, send, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)});
   return h;
 }
 
@@ -153,7 +165,10 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
   const bool from_k = k_resharded_;
   const std::int64_t s = from_k ? kshard_.numel() : shard_.numel();
   const int parts = from_k ? k_ : pg_->size();
-  const float* in = gathered.data<float>();
+  const char* in = static_cast<const char*>(gathered.raw_data());
+  const DType in_dtype = gathered.dtype();
+  const std::int64_t es = static_cast<std::int64_t>(dtype_size(in_dtype));
+  const bool exact = from_k ? k_exact_ : in_dtype == DType::f32;
   full_.reallocate_storage();
   for (std::size_t j = 0; j < params_.size(); ++j) {
     FSDPParam& p = params_[j];
@@ -162,8 +177,10 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
     const std::int64_t offset = from_k ? k_offsets_[j] : p.shard_offset;
     for (int r = 0; r < parts; ++r) {
       const RowSplit rs = split_rows(p.global_shape, r, parts);
-      copy_rows(out + rs.row_offset * rs.row_numel, in + r * s + offset, rs.local_rows, rs.row_numel);
+      copy_rows_to_f32(out + rs.row_offset * rs.row_numel, in + (r * s + offset) * es, in_dtype, rs.local_rows,
+                       rs.row_numel);
     }
+    p.unsharded_exact = exact;
     p.register_as(p.unsharded);
   }
   if (from_k) {
@@ -174,8 +191,8 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
   return absl::OkStatus();
 }
 
-absl::Status ParamGroup::unshard() {
-  auto h = unshard_async();
+absl::Status ParamGroup::unshard(bool exact) {
+  auto h = unshard_async(exact);
   if (!h.ok()) return h.status();
   return h->wait();
 }
@@ -192,7 +209,7 @@ void ParamGroup::reshard() {
 }
 
 void ParamGroup::write_back() {
-  if (!unsharded_) return;
+  if (!unsharded_ || !unsharded_exact()) return;
   for (FSDPParam& p : params_) {
     copy_rows(p.sharded.data<float>(), p.unsharded.data<float>() + p.split.row_offset * p.split.row_numel,
               p.split.local_rows, p.split.row_numel);
@@ -220,23 +237,26 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
   if (absl::Status st = finish_reduce_grads(); !st.ok()) return st;
   const std::int64_t s = shard_.numel();
   const int world = pg_->size();
-  // Every element is written once: a gradient's rows, or zeros (padding, parameters without a gradient).
-  Tensor flat = Tensor::empty({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
-  float* in = flat.data<float>();
+  // Every element is written once: a gradient's rows (cast to reduce_dtype), or zeros (padding, parameters without
+  // a gradient).
+  const DType rd = mp_.reduce_in();
+  const std::int64_t es = static_cast<std::int64_t>(dtype_size(rd));
+  Tensor flat = Tensor::empty({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(rd));
+  char* in = static_cast<char*>(flat.raw_data());
   for (FSDPParam& p : params_) {
     const Tensor g = p.unsharded.grad();
     SK_CHECK(!g.defined() || (g.dtype() == DType::f32 && g.numel() == p.unsharded.numel())) << "fsdp: gradient " << g.describe();
     for (int r = 0; r < world; ++r) {
       const RowSplit rs = split_rows(p.global_shape, r, world);
-      float* dst = in + r * s + p.shard_offset;
+      char* dst = in + (r * s + p.shard_offset) * es;
       const std::int64_t filled = g.defined() ? rs.local_rows * rs.row_numel : 0;
-      if (filled > 0) copy_rows(dst, g.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
-      std::fill(dst + filled, dst + p.padded_numel(), 0.f);
+      if (filled > 0) convert_elements(g.data<float>() + rs.row_offset * rs.row_numel, DType::f32, dst, rd, filled);
+      std::memset(dst + filled * es, 0, static_cast<std::size_t>((p.padded_numel() - filled) * es));  // +0 in every dtype
     }
     if (g.defined()) p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
   }
   PendingReduce pending;
-  pending.out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient));
+  pending.out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient).with_dtype(rd));
   pending.divide_factor = divide_factor;
   pending.all_reduce_replicas = all_reduce_replicas;
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
@@ -252,7 +272,9 @@ absl::Status ParamGroup::finish_reduce_grads() {
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
   if (absl::Status st = pending.work->wait(); !st.ok()) return st;
-  const Tensor& out = pending.out;
+  // The reduced rows land f32 (Note [mixed precision on f32 ops]).
+  const Tensor out = pending.out.dtype() == DType::f32 ? pending.out : pending.out.to(DType::f32, MemoryCategory::gradient);
+  pending.out = Tensor();
   if (replicate_ != nullptr) {  // Note [hybrid sharding]
     if (!pending.all_reduce_replicas) {
       if (partial_.defined()) {

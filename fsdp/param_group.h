@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "common/comm/process_group.h"
 #include "fsdp/fsdp_param.h"
+#include "fsdp/mixed_precision.h"
 
 namespace shardkit::fsdp {
 
@@ -39,8 +40,11 @@ class ParamGroup {
   // `params[i].registrations`, `names` and `global_shape` must be set; the rest is filled here.
   // `replicate` (HSDP, Note [hybrid sharding]): the group of the ranks holding the same shard as this one (one
   // per replica), or nullptr.
+  // `mp`: the dtypes of the all-gather and the reduce-scatter (Note [mixed precision on f32 ops] in
+  // mixed_precision.h).
   ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
-             std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout);
+             std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout,
+             MixedPrecisionPolicy mp = {});
   ParamGroup(const ParamGroup&) = delete;
   ParamGroup& operator=(const ParamGroup&) = delete;
 
@@ -54,7 +58,7 @@ class ParamGroup {
     friend class ParamGroup;
     ParamGroup* group_ = nullptr;
     std::shared_ptr<comm::Work> work_;
-    Tensor gathered_;
+    Tensor gathered_;  // f32, or param_dtype (the shard was cast for the all-gather)
   };
   // Note [reshard to a k-group]
   // reshard_after_forward = k: after forward each rank keeps, besides its shard, its part of the parameters split
@@ -70,12 +74,15 @@ class ParamGroup {
 
   // Starts unsharding (a no-op handle when already unsharded). Collective (over the k-group after
   // reshard_to_group(), else over the whole group).
-  absl::StatusOr<UnshardHandle> unshard_async();
-  absl::Status unshard();
+  // exact: gather f32 whatever param_dtype is (summon_full_params: values to read, write and save).
+  absl::StatusOr<UnshardHandle> unshard_async(bool exact = false);
+  absl::Status unshard(bool exact = false);
+  // Whether the unsharded values are the shards' own (FSDPParam::unsharded_exact); true when sharded.
+  bool unsharded_exact() const { return !unsharded_ || params_.empty() || params_.front().unsharded_exact; }
   void reshard();
   bool is_unsharded() const { return unsharded_; }
-  // While unsharded: copies this rank's rows of the unsharded parameters into the shards (values written to the
-  // full parameters, e.g. by load_state_dict, survive the next reshard()).
+  // While unsharded with exact values: copies this rank's rows of the unsharded parameters into the shards (values
+  // written to the full parameters, e.g. by load_state_dict, survive the next reshard()). A no-op otherwise.
   void write_back();
 
   // Reduces the unsharded gradients into the shards' gradients (see above). `divide_factor`: the sum is
@@ -90,7 +97,7 @@ class ParamGroup {
   absl::Status start_reduce_grads(std::optional<double> divide_factor, bool all_reduce_replicas = true);
   absl::Status finish_reduce_grads();
   bool reduce_in_flight() const { return pending_reduce_.has_value(); }
-  // N × S × 4: the unit's all_gather output and reduce_scatter input, padding included.
+  // N × S × 4: the unit's f32 all_gather output and reduce_scatter input, padding included.
   std::int64_t unsharded_bytes() const { return shard_.nbytes() * pg_->size(); }
   // Whether any unsharded gradient is defined (gradients not reduced yet).
   bool has_unsharded_grads() const;
@@ -112,6 +119,7 @@ class ParamGroup {
   std::shared_ptr<comm::ProcessGroup> replicate_;  // HSDP, else nullptr
   Tensor partial_;  // HSDP: reduced rows not all-reduced yet (set_requires_all_reduce(false)), or undefined
   std::optional<absl::Duration> timeout_;
+  MixedPrecisionPolicy mp_;
   Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
   Tensor full_;   // every unsharded parameter, back to back (released at rest); each one's `unsharded` views it
   bool unsharded_ = false;
@@ -121,6 +129,7 @@ class ParamGroup {
   std::vector<std::int64_t> k_offsets_;        // each parameter's offset in the k-shard
   Tensor kshard_;                              // released unless k-resharded
   bool k_resharded_ = false;
+  bool k_exact_ = true;  // the k-shards hold exact values (see unsharded_exact)
   struct PendingReduce {
     std::shared_ptr<comm::Work> work;
     Tensor out;  // [S], the reduced rows of every parameter

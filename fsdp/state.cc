@@ -84,15 +84,21 @@ FSDPState* state_attached(const nn::Module& module) {
 FSDPState::FSDPState(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options,
                      std::unique_ptr<ParamGroup> params)
     : module_(&module), pg_(std::move(group)), options_(std::move(options)), params_(std::move(params)) {
+  // Mixed precision (Note [mixed precision on f32 ops] in mixed_precision.h): a unit's floating inputs, and the
+  // root's floating outputs, rounded after the hooks registered theirs on the originals.
   module_hooks_.push_back(module_->register_forward_pre_hook(
       [this](nn::Module&, const TensorList& inputs) -> std::optional<TensorList> {
         pre_forward(inputs);
-        return std::nullopt;
+        const MixedPrecisionPolicy& mp = options_.mp_policy;
+        if (!mp.cast_forward_inputs || !mp.param_dtype || state_ == TrainingState::summoned) return std::nullopt;
+        return round_floating(inputs, *mp.param_dtype);
       }));
   module_hooks_.push_back(module_->register_forward_hook(
       [this](nn::Module&, const TensorList& inputs, const TensorList& outputs) -> std::optional<TensorList> {
         post_forward(inputs, outputs);
-        return std::nullopt;
+        const MixedPrecisionPolicy& mp = options_.mp_policy;
+        if (!mp.output_dtype || !is_root() || state_ == TrainingState::summoned) return std::nullopt;
+        return round_floating(outputs, *mp.output_dtype);
       }));
   if (params_ != nullptr) {
     for (const FSDPParam& p : params_->params()) {
@@ -160,15 +166,15 @@ void FSDPState::require_state(TrainingState wanted, const char* call) const {
                                                              "; expected ", training_state_name(wanted))));
 }
 
-absl::Status FSDPState::unshard_unit() {
+absl::Status FSDPState::unshard_unit(bool exact) {
   if (params_ == nullptr || state_ == TrainingState::summoned) return absl::OkStatus();
-  if (absl::Status s = issue_unshard(); !s.ok()) return s;
+  if (absl::Status s = issue_unshard(exact); !s.ok()) return s;
   return wait_unshard();
 }
 
-absl::Status FSDPState::issue_unshard() {
+absl::Status FSDPState::issue_unshard(bool exact) {
   if (params_ == nullptr || pending_unshard_ || params_->is_unsharded()) return absl::OkStatus();
-  auto h = params_->unshard_async();
+  auto h = params_->unshard_async(exact);
   if (!h.ok()) return h.status();
   pending_unshard_ = std::move(*h);
   if (ctx_ != nullptr) ctx_->overlap.bytes += params_->unsharded_bytes();
@@ -433,7 +439,10 @@ absl::Status FSDPState::summon() {
   }
   for (FSDPState* s : targets) {
     if (s->state_ == TrainingState::summoned) continue;
-    if (absl::Status st = s->unshard_unit(); !st.ok()) return st;
+    // Summoned values are read, written back and saved: exact f32, not param_dtype's (mixed_precision.h).
+    if (absl::Status st = s->wait_unshard(); !st.ok()) return st;
+    if (s->params_ != nullptr && !s->params_->unsharded_exact()) s->reshard_unit();
+    if (absl::Status st = s->unshard_unit(/*exact=*/true); !st.ok()) return st;
     s->state_ = TrainingState::summoned;
   }
   return absl::OkStatus();

@@ -137,9 +137,9 @@ class FSDPState : public nn::Module::Attachment {
   void lazy_init();
   bool reshard_after_forward() const;      // the bool form (the root's default: false)
   int reshard_after_forward_group() const;  // k of the int form, 0 otherwise
-  absl::Status unshard_unit();
-  // Issues this unit's all-gather unless it is unsharded or one is in flight.
-  absl::Status issue_unshard();
+  absl::Status unshard_unit(bool exact = false);
+  // Issues this unit's all-gather unless it is unsharded or one is in flight (exact: ParamGroup::unshard_async).
+  absl::Status issue_unshard(bool exact = false);
   // Prefetches the units of `explicit_list`, or else `implicit_next` (Note [prefetch]).
   void prefetch(const std::optional<std::vector<FSDPState*>>& explicit_list, FSDPState* implicit_next);
   // The unit after (step +1) or before (step -1) this one in `order`, or nullptr.

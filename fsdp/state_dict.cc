@@ -108,7 +108,7 @@ Rows rows_at_rest(const Tensor& registered, const std::map<const TensorImpl*, co
 Rows rows_now(const Tensor& registered, const std::map<const TensorImpl*, const FSDPParam*>& managed) {
   Rows r = rows_at_rest(registered, managed);
   auto it = managed.find(registered.id());
-  if (it != managed.end() && registered.is_same(it->second->unsharded)) {
+  if (it != managed.end() && registered.is_same(it->second->unsharded) && it->second->unsharded_exact) {
     const FSDPParam& p = *it->second;
     r.tensor = p.unsharded.view(p.split.row_offset * p.split.row_numel, p.local_shape);
   }
