@@ -15,6 +15,7 @@
 //   fsdp                      fsdp::fully_shard, nested units (every MLP, every TransformerBlock, the root),
 //                             AdamW over model.parameters() (the shards), implicit prefetch (ZeRO-3)
 //   fsdp_no_prefetch          the same with implicit_prefetch off (each unit gathers when it runs)
+//   fsdp_bf16                 fsdp with MixedPrecisionPolicy{bf16 params, bf16 reduce} (sent_B_per_rank: half)
 // The reported time is the strategy's step (rank 0's wall time; every rank is synchronised by the
 // collectives); counters:
 //   vs_ddp              strategy step time / DDP step time (goals: OSS <= 1.05, ShardedDDP <= 1.0)

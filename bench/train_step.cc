@@ -34,9 +34,12 @@ constexpr std::pair<TrainStrategy, const char*> kStrategies[] = {{TrainStrategy:
                                                                  {TrainStrategy::sddp_greedy, "sddp_greedy"},
                                                                  {TrainStrategy::sddp_flat, "sddp_flat"},
                                                                  {TrainStrategy::fsdp, "fsdp"},
-                                                                 {TrainStrategy::fsdp_no_prefetch, "fsdp_no_prefetch"}};
+                                                                 {TrainStrategy::fsdp_no_prefetch, "fsdp_no_prefetch"},
+                                                                 {TrainStrategy::fsdp_bf16, "fsdp_bf16"}};
 
-bool IsFsdp(TrainStrategy s) { return s == TrainStrategy::fsdp || s == TrainStrategy::fsdp_no_prefetch; }
+bool IsFsdp(TrainStrategy s) {
+  return s == TrainStrategy::fsdp || s == TrainStrategy::fsdp_no_prefetch || s == TrainStrategy::fsdp_bf16;
+}
 bool ShardsGradients(TrainStrategy s) {
   return s == TrainStrategy::sddp_greedy || s == TrainStrategy::sddp_flat || IsFsdp(s);
 }
@@ -109,7 +112,10 @@ absl::Status RunTrainRank(const std::shared_ptr<comm::ProcessGroup>& group_ptr, 
   if (rank == 0) result.psi = oss_model->num_parameters();  // (after fully_shard, parameters() are the shards)
   if (is_fsdp) {
     RankContextScope scope(oss_ctx);
-    const fsdp::FullyShardOptions options{.implicit_prefetch = strategy == TrainStrategy::fsdp};
+    fsdp::FullyShardOptions options{.implicit_prefetch = strategy != TrainStrategy::fsdp_no_prefetch};
+    if (strategy == TrainStrategy::fsdp_bf16) {
+      options.mp_policy = {.param_dtype = DType::bf16, .reduce_dtype = DType::bf16};
+    }
     // Nested units, bottom-up: every block's MLP, every block, then the root.
     for (const char* type : {"MLP", "TransformerBlock"}) {
       for (nn::Module* m : fsdp::modules_of_type(*oss_model, type)) {

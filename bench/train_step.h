@@ -24,7 +24,7 @@
 
 namespace shardkit::bench {
 
-enum class TrainStrategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat, fsdp, fsdp_no_prefetch };
+enum class TrainStrategy { oss_greedy, oss_flat, sddp_greedy, sddp_flat, fsdp, fsdp_no_prefetch, fsdp_bf16 };
 
 // Every strategy with its case label ("oss_greedy", ...), in the order the benchmarks register them.
 absl::Span<const std::pair<TrainStrategy, const char*>> TrainStrategies();
