@@ -17,12 +17,16 @@
 //
 // Hooks (named member functions, registered once by fully_shard):
 //   pre_forward      root: start a step (age pending hooks, reset a backward that ended without its final
-//                    callback); every unit: unshard (wait), hook its inputs for its post-backward
+//                    callback); every unit: issue its all-gather, prefetch the next unit's (Note [prefetch] in
+//                    state.cc), wait for its own, hook its inputs for its post-backward
 //   post_forward     reshard (reshard_after_forward, or no gradient follows), hook its outputs for its
 //                    pre-backward
 //   pre_backward     (a tensor hook on the outputs) reduce the units whose inputs are these outputs, unshard
-//   post_backward    (a tensor hook on the inputs) reduce the unit's gradients, reshard
-//   final callback   (queued by the first backward hook) reduce every unit not reduced yet, reshard, idle
+//                    (prefetching the next unit in backward order)
+//   post_backward    (a tensor hook on the inputs) issue the unit's reduce-scatter (finished by the next one,
+//                    Note [reduce-scatter in flight]), reshard
+//   final callback   (queued by the first backward hook) reduce every unit not reduced yet, finish every
+//                    reduce-scatter, reshard, idle
 //
 // Errors inside hooks are thrown as FsdpError (an autograd::StatusError): autograd::try_backward returns the
 // Status, and a forward propagates it.
