@@ -8,6 +8,10 @@
 //   AdamW bf16+master: reads w, g16, m, v     writes w, m, v, p16 (28 B/elem)
 //   SGD fp32:          reads p, g, b          writes p, b         (20 B/elem)
 //   SGD bf16+master:   reads w, g16, b        writes w, b, p16    (20 B/elem)
+// The limit kernels write p16 as the truncated top half of w: they stand for the memory traffic, the bound
+// the optimizer should reach. Its round-to-nearest-even costs integer instructions (several per vector
+// without AVX-512 BF16) that the kernel schedules to overlap that traffic (Note [rounding lag] in
+// common/optim/fused_kernels.cc); they are the optimizer's cost, not the limit's.
 // Each iteration times one optimizer step and then one limit-kernel pass (on separate arrays of the same
 // sizes), so both see the same machine conditions; the reported time is the optimizer's (manual time).
 // Counters: ns_per_elem (median optimizer step / elements), limit_ns_per_elem, frac_of_limit = median

@@ -1,5 +1,6 @@
 #include "common/optim/fused_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -11,6 +12,44 @@ namespace {
 // The parameter is the fp32 weight array itself: nothing to write back.
 struct NoParamOut {};
 
+// Note [rounding lag]
+// For a bf16/f16 parameter the update loop also writes p[i - kLag] = round(w[i - kLag]), the weight it
+// updated kLag elements earlier, read back from L1; the first kLag elements have nothing behind them and
+// the last kLag are rounded after the loop. DRAM traffic is the same as rounding w[i] itself; the
+// schedule is what differs. On AVX2 the rounding takes about 22 integer vector instructions per 16
+// elements. Made right after w[i] is computed they wait at the end of the sqrt/divide chain, fill the
+// scheduler, and fewer iterations stay in flight: 0.6-0.7 of optim_bench's memory limit on Zen 3 (0.8
+// with the rounding in as few instructions as we could, Note [bf16 rounding shape]). Made kLag behind,
+// they depend on nothing in flight and run in the gaps. Measured on that VM at load ~1 (optim_bench
+// AdamW bf16+master): rounding 64 behind 0.83-0.88 (32 and 128 behind the same within noise); rounding
+// each 512-element tile in a second loop instead 0.79 (no DRAM traffic overlaps that loop); the same
+// update loop storing truncated bf16, i.e. with no rounding work at all, 0.88. SGD bf16+master: 0.92-1.02.
+// kLag is at least the longest vector gcc uses (32 16-bit lanes with AVX-512), so the loop vectorises:
+// the read of w[i - kLag] follows the store of w[i] at dependence distance kLag.
+constexpr std::int64_t kLag = 64;
+
+template <typename P>
+inline void store_rounded(P* p, std::int64_t i, float x) {
+  if constexpr (std::is_same_v<P, bf16_t>) p[i] = bf16_t{round_to_bf16_bits(x)};
+  else p[i] = f16_t{round_to_f16_bits(x)};
+}
+
+// Runs loop(p, begin, end) over [0, n) so that each weight is updated and, for a bf16/f16 parameter,
+// rounded into p (Note [rounding lag]): the first kLag elements with nothing to round yet, the rest
+// rounding kLag behind, then the last kLag elements on their own.
+template <typename P, typename Loop>
+void UpdateAndRound(const float* w, P* p, std::int64_t n, Loop&& loop) {
+  if constexpr (std::is_same_v<P, NoParamOut>) {
+    loop(p, std::int64_t{0}, n);
+  } else {
+    const std::int64_t head = std::min(n, kLag);
+    loop(static_cast<NoParamOut*>(nullptr), std::int64_t{0}, head);
+    loop(p, head, n);
+    if constexpr (std::is_same_v<P, bf16_t>) round_to_bf16(w + n - head, p + n - head, head);
+    else round_to_f16(w + n - head, p + n - head, head);
+  }
+}
+
 template <typename G>
 inline float load(const G* g, std::int64_t i) {
   if constexpr (std::is_same_v<G, float>) return g[i];
@@ -18,22 +57,17 @@ inline float load(const G* g, std::int64_t i) {
   else return f16_bits_to_f32(g[i].bits);
 }
 
-template <typename P>
-inline void store(P* p, std::int64_t i, float x) {
-  if constexpr (std::is_same_v<P, bf16_t>) p[i] = bf16_t{round_to_bf16_bits(x)};
-  else if constexpr (std::is_same_v<P, f16_t>) p[i] = f16_t{round_to_f16_bits(x)};
-}
-
 // Note [fused loop shape]
-// One loop, every value loaded once into a register and every result stored once; coefficients are
-// locals (not loads through the struct) and all pointers are __restrict, so gcc vectorises the loop
-// without runtime alias checks. sqrtf vectorises because the project builds with -fno-math-errno.
+// One loop, every value loaded once into a register and every result stored once (a bf16/f16 parameter
+// also re-reads w from L1, Note [rounding lag]); coefficients are locals (not loads through the struct)
+// and all pointers are __restrict, so gcc vectorises the loop without runtime alias checks. sqrtf
+// vectorises because the project builds with -fno-math-errno.
 template <typename P, typename G>
 void AdamLoop(float* __restrict w, P* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
-              std::int64_t n, const AdamCoeffs& c) {
+              std::int64_t begin, std::int64_t end, const AdamCoeffs& c) {
   const float sign = c.sign, l2 = c.l2, decay = c.decay, b1 = c.beta1, omb1 = c.one_minus_beta1, b2 = c.beta2,
               omb2 = c.one_minus_beta2, step_size = c.step_size, inv_sqrt_bc2 = c.inv_sqrt_bc2, eps = c.eps;
-  for (std::int64_t i = 0; i < n; ++i) {
+  for (std::int64_t i = begin; i < end; ++i) {
     float wi = w[i];
     const float gi = sign * load(g, i) + l2 * wi;
     wi *= decay;
@@ -44,15 +78,15 @@ void AdamLoop(float* __restrict w, P* __restrict p, const G* __restrict g, float
     m[i] = mi;
     v[i] = vi;
     w[i] = wi;
-    if constexpr (!std::is_same_v<P, NoParamOut>) store(p, i, wi);
+    if constexpr (!std::is_same_v<P, NoParamOut>) store_rounded(p, i - kLag, w[i - kLag]);
   }
 }
 
 template <typename P, typename G, bool kMomentum, bool kNesterov>
-void SgdLoop(float* __restrict w, P* __restrict p, const G* __restrict g, float* __restrict b, std::int64_t n,
-             const SgdCoeffs& c) {
+void SgdLoop(float* __restrict w, P* __restrict p, const G* __restrict g, float* __restrict b, std::int64_t begin,
+             std::int64_t end, const SgdCoeffs& c) {
   const float sign = c.sign, wd = c.weight_decay, lr = c.lr, mu = c.momentum, keep = c.keep, take = c.take;
-  for (std::int64_t i = 0; i < n; ++i) {
+  for (std::int64_t i = begin; i < end; ++i) {
     float wi = w[i];
     float gi = sign * load(g, i) + wd * wi;
     if constexpr (kMomentum) {
@@ -63,16 +97,26 @@ void SgdLoop(float* __restrict w, P* __restrict p, const G* __restrict g, float*
     }
     wi -= lr * gi;
     w[i] = wi;
-    if constexpr (!std::is_same_v<P, NoParamOut>) store(p, i, wi);
+    if constexpr (!std::is_same_v<P, NoParamOut>) store_rounded(p, i - kLag, w[i - kLag]);
   }
 }
 
 template <typename P, typename G>
 void Sgd(float* w, P* p, const G* g, float* b, std::int64_t n, const SgdCoeffs& c) {
-  if (!c.has_momentum) return SgdLoop<P, G, false, false>(w, p, g, nullptr, n, c);
+  if (!c.has_momentum) {
+    return UpdateAndRound(w, p, n, [&](auto* q, std::int64_t begin, std::int64_t end) {
+      SgdLoop<std::remove_pointer_t<decltype(q)>, G, false, false>(w, q, g, nullptr, begin, end, c);
+    });
+  }
   SK_CHECK(b != nullptr) << "SGD with momentum needs a buffer";
-  if (c.nesterov) return SgdLoop<P, G, true, true>(w, p, g, b, n, c);
-  return SgdLoop<P, G, true, false>(w, p, g, b, n, c);
+  if (c.nesterov) {
+    return UpdateAndRound(w, p, n, [&](auto* q, std::int64_t begin, std::int64_t end) {
+      SgdLoop<std::remove_pointer_t<decltype(q)>, G, true, true>(w, q, g, b, begin, end, c);
+    });
+  }
+  UpdateAndRound(w, p, n, [&](auto* q, std::int64_t begin, std::int64_t end) {
+    SgdLoop<std::remove_pointer_t<decltype(q)>, G, true, false>(w, q, g, b, begin, end, c);
+  });
 }
 
 // Calls fn(P* param_out, const G* grad) with the static types behind the dtypes.
@@ -101,6 +145,14 @@ void Dispatch(void* param_out, DType param_dtype, const void* grad, DType grad_d
 
 }  // namespace
 
+void round_to_bf16(const float* __restrict src, bf16_t* __restrict dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_t{round_to_bf16_bits(src[i])};
+}
+
+void round_to_f16(const float* __restrict src, f16_t* __restrict dst, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = f16_t{round_to_f16_bits(src[i])};
+}
+
 AdamCoeffs adam_coeffs(const HyperParams& h, std::int64_t step, bool decoupled) {
   SK_CHECK_GE(step, 1);
   AdamCoeffs c;
@@ -123,7 +175,9 @@ AdamCoeffs adam_coeffs(const HyperParams& h, std::int64_t step, bool decoupled) 
 void adam_step(float* w, void* param_out, DType param_dtype, const void* grad, DType grad_dtype, float* m, float* v,
                std::int64_t n, const AdamCoeffs& c) {
   if (n == 0) return;
-  Dispatch(param_out, param_dtype, grad, grad_dtype, [&](auto* p, auto* g) { AdamLoop(w, p, g, m, v, n, c); });
+  Dispatch(param_out, param_dtype, grad, grad_dtype, [&](auto* p, auto* g) {
+    UpdateAndRound(w, p, n, [&](auto* q, std::int64_t begin, std::int64_t end) { AdamLoop(w, q, g, m, v, begin, end, c); });
+  });
 }
 
 SgdCoeffs sgd_coeffs(const HyperParams& h, bool first_momentum_step) {

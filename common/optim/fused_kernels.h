@@ -4,10 +4,13 @@
 // master), the gradient g (f32, bf16 or f16, converted to fp32 in registers) and the state buffers, and
 // writes w, the state buffers and, when the parameter is bf16/f16, the parameter rounded to nearest even.
 // For fp32 AdamW that is 4 streams read and 3 written, 28 bytes per element, which is all the memory
-// traffic the algorithm needs (DESIGN.md section 9). The loops are written so gcc vectorises them with
+// traffic the algorithm needs (DESIGN.md section 9). A bf16/f16 parameter is written 64 elements behind
+// the update, from w read back from L1 (Note [rounding lag] in fused_kernels.cc): the same memory
+// traffic, with the rounding off the critical path. The loops are written so gcc vectorises them with
 // -fno-math-errno (Note [no-math-errno] in cmake/ShardkitHelpers.cmake) and, for the f16 conversions,
 // -fno-trapping-math (Note [no-trapping-math] in common/optim/CMakeLists.txt). Checked with
-// -fopt-info-vec-optimized: all 9 (param, grad) dtype pairs of Adam and all 27 SGD variants vectorise.
+// -fopt-info-vec-optimized: the Adam and SGD loops for every (parameter, gradient) dtype pair and the
+// bf16/f16 rounding loops vectorise, with AVX2 only and with AVX-512.
 //
 // Arithmetic is fp32; the coefficients are computed once per call in double (coeffs functions below) and
 // rounded to fp32. Pointers must not overlap (except as documented). Thread-safety: pure functions.
@@ -69,13 +72,21 @@ SgdCoeffs sgd_coeffs(const HyperParams& h, bool first_momentum_step);
 void sgd_step(float* w, void* param_out, DType param_dtype, const void* grad, DType grad_dtype, float* buf,
               std::int64_t n, const SgdCoeffs& c);
 
-// fp32 -> bf16 round to nearest even, written branch-free so that it vectorises; bit-identical to
-// f32_to_bf16 (dtype.h), NaN included.
+// fp32 -> bf16 round to nearest even, branch-free; bit-identical to f32_to_bf16 (dtype.h), NaN included
+// (a NaN keeps its sign and payload and gets the quiet bit).
+// Note [bf16 rounding shape]: the select is made on the 32-bit values and only its result is shifted and
+// narrowed. Written as one expression, or with the NaN arm narrowed on its own, gcc 12 narrows the arms
+// separately and packs three times instead of once: 8-10 more vector instructions per 16 elements, and the
+// rounding loop 40-90% slower on Zen 3. The NaN test is a float compare (one instruction); an integer test
+// on the magnitude takes three with AVX2, which has no unsigned compare.
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#error "round_to_bf16_bits tests for NaN with f != f; do not build it with -ffinite-math-only (-ffast-math)"
+#endif
 inline std::uint16_t round_to_bf16_bits(float f) {
   const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const std::uint32_t quiet_nan = (x >> 16) | 0x40u;
-  return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+  const std::uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1u);  // carries into bit 16 past the half way
+  const std::uint32_t r = f != f ? (x | 0x00400000u) : rounded;
+  return static_cast<std::uint16_t>(r >> 16);
 }
 
 // fp32 -> f16 round to nearest even (subnormals, overflow to infinity), branch-free; bit-identical to
@@ -104,5 +115,10 @@ inline float f16_bits_to_f32(std::uint16_t h) {
   const std::uint32_t r = em >= 0x7c00u ? inf_nan : (em < 0x400u ? sub : normal);
   return std::bit_cast<float>(sign | r);
 }
+
+// dst[i] = round_to_*_bits(src[i]) for i < n, vectorised: what the kernels write a bf16/f16 parameter
+// with. src and dst must not overlap.
+void round_to_bf16(const float* src, bf16_t* dst, std::int64_t n);
+void round_to_f16(const float* src, f16_t* dst, std::int64_t n);
 
 }  // namespace shardkit::optim::fused
