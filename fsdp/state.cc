@@ -240,11 +240,7 @@ absl::Status FSDPState::start_unshard() {
     return absl::FailedPreconditionError(absl::StrCat("fsdp: unshard() on a ", module_->type_name(), " in training state ",
                                                       training_state_name(state_), "; expected idle"));
   }
-  if (params_ == nullptr || pending_unshard_ || params_->is_unsharded()) return absl::OkStatus();
-  auto h = params_->unshard_async();
-  if (!h.ok()) return h.status();
-  pending_unshard_ = std::move(*h);
-  return absl::OkStatus();
+  return issue_unshard();
 }
 
 void FSDPState::reshard_unit() {
