@@ -140,7 +140,7 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
     h.work_ = kgroup_->all_gather(h.gathered_, kshard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_)});
     return h;
   }
-  const DType dtype = exact ? DType::f32 : mp_.gather_dtype();
+  const DType dtype = exact ? DType::f32 : mp_.compute_dtype();
   h.gathered_ = Tensor::empty({shard_.numel() * pg_->size()},
                               TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(dtype));
   // param_dtype: the shard cast for the all-gather (its Work holds the cast until the peers have read it).
