@@ -270,7 +270,8 @@ TcpProcessGroup::~TcpProcessGroup() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
     // A call still running (a contract violation) must not keep the destructor waiting until its deadline.
-    busy = !queue_.empty() || !current_.empty();
+    // running_ is set under this lock as the call leaves the queue, so no call is between the two unseen.
+    busy = !queue_.empty() || running_;
     if (busy && failure_.ok()) {
       failure_ = absl::AbortedError(absl::StrCat("group '", name(), "' destroyed on rank ", rank()));
     }
@@ -321,6 +322,11 @@ void TcpProcessGroup::abort(const absl::Status& reason) {
   fail_group(reason.ok() ? absl::AbortedError("aborted") : reason, true).IgnoreError();
 }
 
+void TcpProcessGroup::set_testing_after_dequeue(AfterDequeueHook hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  after_dequeue_ = std::move(hook);
+}
+
 std::string TcpProcessGroup::progress_note() const {
   std::lock_guard<std::mutex> lock(mu_);
   return current_;
@@ -363,6 +369,7 @@ std::shared_ptr<Work> TcpProcessGroup::run(CollectiveCall call) {
 void TcpProcessGroup::comm_loop() {
   for (;;) {
     Item item;
+    AfterDequeueHook after_dequeue;
     {
       // The next call usually follows right after the caller saw the previous one complete: poll for it
       // briefly before sleeping (a condition-variable wake-up costs ~50 us here, DESIGN.md section 9).
@@ -374,6 +381,14 @@ void TcpProcessGroup::comm_loop() {
       item = std::move(queue_.front());
       queue_.pop_front();
       queued_.fetch_sub(1, std::memory_order_release);
+      running_ = true;
+      after_dequeue = after_dequeue_;
+    }
+    if (after_dequeue) {
+      after_dequeue([this] {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_; });
+      });
     }
     absl::Status failure;
     {
@@ -398,6 +413,7 @@ void TcpProcessGroup::comm_loop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       current_.clear();
+      running_ = false;
     }
     item.work->complete(st);
   }

@@ -36,6 +36,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -84,6 +85,12 @@ class TcpProcessGroup final : public ProcessGroup {
   void abort(const absl::Status& reason) override;
   const TcpProcessGroupOptions& options() const { return options_; }
 
+  // Testing seam (none by default): `hook` runs on the communication thread after it has taken a call off the
+  // queue and before it runs it, with a function that blocks until this group's destruction has begun. Tests
+  // hold a call in that window with it. Set it before issuing calls.
+  using AfterDequeueHook = std::function<void(const std::function<void()>& wait_for_destruction)>;
+  void set_testing_after_dequeue(AfterDequeueHook hook);
+
   struct Impl;  // implementation detail, public only for the .cc's helpers
 
  protected:
@@ -123,6 +130,8 @@ class TcpProcessGroup final : public ProcessGroup {
   bool stopping_ = false;                   // guarded by mu_
   absl::Status failure_;                    // guarded by mu_; first failure of the group
   std::string current_;                     // guarded by mu_; what the comm thread is waiting for
+  bool running_ = false;                    // guarded by mu_; the comm thread holds a call taken off queue_
+  AfterDequeueHook after_dequeue_;          // guarded by mu_
   std::thread thread_;
 };
 

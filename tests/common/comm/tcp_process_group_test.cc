@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <functional>
+#include <future>
 #include <thread>
 
 #include "common/comm/tcp_store.h"
@@ -157,6 +158,34 @@ TEST(TcpProcessGroup, AbortFailsPendingAndLaterCallsWithTheReason) {
     if (r == 0) {
       EXPECT_THAT(std::string(st.message()), HasSubstr("user stopped rank 0"));
     }
+  });
+}
+
+TEST(TcpProcessGroup, DestroyingTheGroupWhileACallIsBetweenQueueAndStartIsPrompt) {
+  // Rank 0's comm thread holds its all_reduce between taking it off the queue and starting it until the
+  // destructor has begun; rank 1 never issues the call. The destructor must fail the call and return at once
+  // instead of waiting for the call's deadline.
+  std::promise<void> held;
+  std::atomic<bool> rank0_done{false};
+  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    if (r == 1) {
+      while (!rank0_done.load()) std::this_thread::yield();  // connected, never calls
+      return;
+    }
+    pg->set_testing_after_dequeue([&](const std::function<void()>& wait_for_destruction) {
+      held.set_value();
+      wait_for_destruction();
+    });
+    Tensor t = Tensor::full({1000}, 1, {});
+    std::shared_ptr<Work> work = pg->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(30)));
+    held.get_future().wait();
+    const absl::Time start = absl::Now();
+    pg.reset();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    absl::Status st = work->wait(absl::Seconds(1));
+    EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("destroyed"));
+    rank0_done = true;
   });
 }
 
