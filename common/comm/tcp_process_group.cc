@@ -188,16 +188,38 @@ absl::StatusOr<std::shared_ptr<TcpProcessGroup>> TcpProcessGroup::create(std::sh
   return pg;
 }
 
+// Note [group generations]
+// A failed group is not usable again: the way back is a new group, every rank calling create() again, usually
+// with the same store and prefix. The failed group's keys are still in the store (addresses of listeners that
+// are closed now, the arrival count, the abort reason), so each creation works under keys of its own:
+// "<store_prefix>/<k>/...", where k counts this rank's earlier creations on that prefix (the store counter
+// "<store_prefix>/generation/<rank>"). Creating a group is collective, so every rank creates it equally often on
+// a prefix and the k-th creations of all ranks meet under the same keys, never reading what an earlier
+// generation left. Sub-groups live under their parent's keys. A rank that creates the group more often than
+// the others (a create() only some ranks called) waits under keys nobody writes and fails at the deadline,
+// naming the generation. A group of one rank uses no keys of its own.
+
 absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
   const int n = size(), r = rank();
-  const std::string& prefix = options_.store_prefix;
   auto where = [&](const std::string& what) {
     return absl::StrCat("TcpProcessGroup '", name(), "' rank ", r, " of ", n, ": ", what);
   };
   if (options_.chunk_bytes == 0) return absl::InvalidArgumentError(where("expected chunk_bytes > 0, found 0"));
   impl_->scratch = Tensor::empty({static_cast<std::int64_t>(options_.chunk_bytes / 8 + 1)},
                                  TensorOptions{}.with_dtype(DType::i64).with_category(MemoryCategory::communication_buffer));
-  if (n == 1) return absl::OkStatus();
+  if (n == 1) {
+    keys_ = options_.store_prefix;  // no other rank reads this group's keys
+    return absl::OkStatus();
+  }
+  // Note [group generations].
+  auto created = store_->add(absl::StrCat(options_.store_prefix, "/generation/", r), 1);
+  if (!created.ok()) {
+    return absl::Status(created.status().code(),
+                        where(absl::StrCat("counting this rank's groups on the store failed: ", created.status().message())));
+  }
+  const std::int64_t generation = *created - 1;
+  keys_ = absl::StrCat(options_.store_prefix, "/", generation);
+  const std::string& prefix = keys_;
 
   auto listener = tcp::listen_on(options_.listen_host, 0);
   if (!listener.ok()) return absl::Status(listener.status().code(), where(std::string(listener.status().message())));
@@ -211,8 +233,9 @@ absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
   for (int p = 0; p < r; ++p) {
     auto addr = store_->get(absl::StrCat(prefix, "/addr/", p), std::max(deadline - absl::Now(), absl::ZeroDuration()));
     if (!addr.ok()) {
-      return absl::DeadlineExceededError(
-          where(absl::StrCat("rank ", p, " did not publish its address in time: ", addr.status().message())));
+      return absl::DeadlineExceededError(where(absl::StrCat("rank ", p, " did not publish its address in time (group #",
+                                                            generation, " on store prefix '", options_.store_prefix,
+                                                            "'): ", addr.status().message())));
     }
     const auto colon = addr->rfind(':');
     int peer_port = 0;
@@ -303,7 +326,7 @@ absl::Status TcpProcessGroup::fail_group(const absl::Status& reason, bool post) 
   }
   if (post && first == reason) {
     // Best effort: ranks further away quote this instead of "my neighbour closed".
-    const std::string key = absl::StrCat(options_.store_prefix, "/abort");
+    const std::string key = absl::StrCat(keys_, "/abort");
     if (!store_unreachable_.load()) {
       auto present = store_->check({key});
       if (!present.ok()) {
@@ -798,7 +821,7 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
     if (st.code() == absl::StatusCode::kUnavailable) {
       // A neighbour closing may be the echo of a failure further away: quote the origin when posted.
       absl::StatusOr<std::string> origin = absl::UnavailableError("store unreachable");
-      const std::string key = absl::StrCat(options_.store_prefix, "/abort");
+      const std::string key = absl::StrCat(keys_, "/abort");
       if (!store_unreachable_.load()) {
         // check() first: it fails fast when the store is gone. A rank that fails posts its reason before
         // shutting its sockets, so an echo finds it at once; the short wait only covers a racing poster.
@@ -833,7 +856,7 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> TcpProcessGroup::make_subgroup(std
   }
   SK_CHECK_GE(sub_rank, 0) << "make_subgroup called on a non-member";
   TcpProcessGroupOptions o = options_;
-  o.store_prefix = absl::StrCat(options_.store_prefix, "/sub/", key);
+  o.store_prefix = absl::StrCat(keys_, "/sub/", key);
   o.name = name;
   o.default_timeout = default_timeout;
   std::shared_ptr<TcpProcessGroup> pg(

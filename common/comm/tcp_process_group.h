@@ -27,7 +27,9 @@
 // Failure: a peer that closes its connection (process died, SIGKILL, abort) or misses the call's deadline
 // fails the call on every rank within the deadline, naming the peer rank and the operation; the group is
 // then aborted (Note [group failure]): its sockets are shut down so the other ranks notice at once, and the
-// reason is posted to the store under "<store_prefix>/abort" so ranks further away quote the origin.
+// reason is posted to the store under "<store_prefix>/<generation>/abort" so ranks further away quote the origin.
+// Recovery: create a new group (every rank calls create() again, with the same store and prefix if wanted;
+// each creation uses keys of its own, Note [group generations] in tcp_process_group.cc).
 //
 // Thread-safety: as ProcessGroup. Destruction fails pending calls (Aborted) and joins the thread.
 #pragma once
@@ -76,7 +78,8 @@ struct TcpProcessGroupOptions {
 class TcpProcessGroup final : public ProcessGroup {
  public:
   // Connects rank `rank` of `size` to its peers through `store` (every rank calls it with the same
-  // prefix). Fails with DeadlineExceeded naming the ranks that did not show up.
+  // prefix, equally often: the k-th calls of the ranks form one group). Fails with DeadlineExceeded naming
+  // the ranks that did not show up.
   static absl::StatusOr<std::shared_ptr<TcpProcessGroup>> create(std::shared_ptr<Store> store, int rank, int size,
                                                                  TcpProcessGroupOptions options = {});
   ~TcpProcessGroup() override;
@@ -130,6 +133,7 @@ class TcpProcessGroup final : public ProcessGroup {
   bool stopping_ = false;                   // guarded by mu_
   absl::Status failure_;                    // guarded by mu_; first failure of the group
   std::string current_;                     // guarded by mu_; what the comm thread is waiting for
+  std::string keys_;                        // this group's store keys: "<store_prefix>/<generation>"
   bool running_ = false;                    // guarded by mu_; the comm thread holds a call taken off queue_
   AfterDequeueHook after_dequeue_;          // guarded by mu_
   std::thread thread_;

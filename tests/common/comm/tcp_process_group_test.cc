@@ -6,10 +6,15 @@
 #include "common/comm/tcp_process_group.h"
 
 #include <atomic>
+#include <barrier>
+#include <condition_variable>
 #include <functional>
 #include <future>
+#include <mutex>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "common/comm/hash_store.h"
 #include "common/comm/tcp_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -21,6 +26,7 @@ namespace {
 
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using tcp_testing::run_collective_matrix;
 using tcp_testing::run_tcp_ranks;
 
@@ -187,6 +193,91 @@ TEST(TcpProcessGroup, DestroyingTheGroupWhileACallIsBetweenQueueAndStartIsPrompt
     EXPECT_THAT(std::string(st.message()), HasSubstr("destroyed"));
     rank0_done = true;
   });
+}
+
+// Forwards to a HashStore. Once armed, a set() of rank 0's address (a key ending in "/addr/0") waits until some
+// rank has asked for that address: a get() of such a key that found it present has returned, or one that found
+// it absent has started waiting. So in a re-created group a reader asks before rank 0 publishes its new address,
+// whatever the keys are called.
+class AddressGatedStore final : public Store {
+ public:
+  void arm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = true;
+    asked_ = false;
+  }
+  absl::Status set(const std::string& key, const std::string& value) override {
+    if (absl::EndsWith(key, "/addr/0")) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::seconds(30), [&] { return !armed_ || asked_; });
+    }
+    return inner_.set(key, value);
+  }
+  absl::StatusOr<std::string> get(const std::string& key, absl::Duration timeout) override {
+    if (!absl::EndsWith(key, "/addr/0")) return inner_.get(key, timeout);
+    auto present = inner_.check({key});
+    if (!present.ok()) return present.status();
+    absl::StatusOr<std::string> value;
+    if (*present) value = inner_.get(key, timeout);  // before set() may overwrite it
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      asked_ = true;
+      cv_.notify_all();
+    }
+    return *present ? value : inner_.get(key, timeout);
+  }
+  absl::StatusOr<std::int64_t> add(const std::string& key, std::int64_t delta) override {
+    return inner_.add(key, delta);
+  }
+  absl::StatusOr<bool> check(const std::vector<std::string>& keys) override { return inner_.check(keys); }
+  absl::StatusOr<bool> delete_key(const std::string& key) override { return inner_.delete_key(key); }
+  absl::Status wait(const std::vector<std::string>& keys, absl::Duration timeout) override {
+    return inner_.wait(keys, timeout);
+  }
+
+ private:
+  HashStore inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false;
+  bool asked_ = false;
+};
+
+TEST(TcpProcessGroup, AFailedGroupIsReplacedByCreatingItAgainOnTheSameStoreAndPrefix) {
+  // The recovery path of Note [group failure]: after a failure every rank creates a new group on the same
+  // store and prefix. The new group must meet at the new addresses (not the failed group's) and report its own
+  // failures (not the old one's).
+  constexpr int n = 3;
+  auto store = std::make_shared<AddressGatedStore>();
+  TcpProcessGroupOptions o = small_chunks();
+  o.store_prefix = "recover";
+  o.connect_timeout = absl::Seconds(10);
+  std::barrier failed(n, [&]() noexcept { store->arm(); });
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      {
+        auto pg = TcpProcessGroup::create(store, r, n, o);
+        ASSERT_TRUE(pg.ok()) << pg.status();
+        if (r == 0) (*pg)->abort(absl::CancelledError("first failure"));
+        Tensor t = Tensor::full({10}, 1, {});
+        EXPECT_FALSE((*pg)->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(20)))->wait().ok());
+      }
+      failed.arrive_and_wait();
+      auto pg = TcpProcessGroup::create(store, r, n, o);
+      ASSERT_TRUE(pg.ok()) << "rank " << r << ": " << pg.status();
+      Tensor t = Tensor::full({100}, r + 1, {});
+      absl::Status st = (*pg)->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(20)))->wait();
+      ASSERT_TRUE(st.ok()) << "rank " << r << ": " << st;
+      EXPECT_EQ(t.item_at(99), 1 + 2 + 3);
+      // A failure of the new group is reported as its own.
+      if (r == 1) (*pg)->abort(absl::CancelledError("second failure"));
+      st = (*pg)->all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(20)))->wait();
+      ASSERT_FALSE(st.ok());
+      EXPECT_THAT(std::string(st.message()), Not(HasSubstr("first failure"))) << "rank " << r;
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 
 }  // namespace
