@@ -8,6 +8,14 @@
 #include "sddp/model_sync.h"
 
 namespace shardkit::sddp {
+namespace {
+
+// The reducer's wire dtype: reduce_dtype, else param_dtype (PyTorch's default), else each gradient's own.
+std::optional<DType> reduce_dtype(const nn::MixedPrecisionPolicy& mp) {
+  return mp.reduce_dtype ? mp.reduce_dtype : mp.param_dtype;
+}
+
+}  // namespace
 
 DataParallel::DataParallel(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group, DataParallelOptions options,
                            ReduceStrategy strategy, std::vector<oss::Oss*> optimizers)
@@ -20,6 +28,8 @@ DataParallel::DataParallel(nn::Module& module, std::shared_ptr<comm::ProcessGrou
 DataParallel::~DataParallel() = default;
 
 absl::Status DataParallel::init() {
+  const char* who = strategy_ == ReduceStrategy::all_reduce ? "DistributedDataParallel" : "ShardedDataParallel";
+  if (absl::Status s = nn::validate_mixed_precision(options_.mixed_precision, who); !s.ok()) return s;
   if (absl::Status s = verify_same_model(module_, *pg_, options_.timeout); !s.ok()) return s;
   if (options_.sync_models_at_startup) {
     if (absl::Status s = broadcast_module_state(module_, *pg_, true, true, options_.timeout); !s.ok()) return s;
@@ -32,6 +42,9 @@ absl::Status DataParallel::init() {
     before_forward();
     return std::nullopt;
   });
+  if (options_.mixed_precision.enabled()) {
+    mixed_precision_ = std::make_unique<nn::MixedPrecisionHooks>(module_, options_.mixed_precision);
+  }
   return absl::OkStatus();
 }
 
@@ -132,7 +145,7 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer(bool refresh
     }
   }
   ReducerOptions ro{.bucket_numel = options_.reduce_buffer_size,
-                    .reduce_fp16 = options_.reduce_fp16,
+                    .reduce_dtype = reduce_dtype(options_.mixed_precision),
                     .max_buckets_in_flight = options_.max_buckets_in_flight,
                     .rebuild_buckets = true,
                     .timeout = options_.timeout};

@@ -22,7 +22,8 @@
 // buffers from rank 0 (sync_models_at_startup), registers one post-accumulate-grad hook per trainable
 // parameter and a forward pre-hook on the module.
 //
-// Forward: call the module as usual (module(x), or a method that calls it, like GPT::loss). The pre-hook
+// Forward: call the module as usual (module(x), or a method that calls it, like GPT::loss); with
+// mixed_precision.param_dtype it runs on rounded copies of the parameters (see DataParallelOptions). The pre-hook
 // re-reads the trainable set when auto_refresh_trainable (a change rebuilds the buckets, with a warning when
 // warn_on_trainable_params_changed) and broadcasts buffers from rank 0 when broadcast_buffers and training.
 // Its errors (a refused trainable set, see refresh_trainable(); a failed broadcast) throw ReducerError from
@@ -47,6 +48,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/comm/process_group.h"
+#include "common/nn/mixed_precision.h"
 #include "common/nn/module.h"
 #include "oss/oss.h"
 #include "sddp/reducer.h"
@@ -64,8 +66,16 @@ struct DataParallelOptions {
   std::int64_t reduce_buffer_size = std::int64_t{1} << 23;
   // Re-read requires_grad before each forward and rebuild the reducer when it changed.
   bool auto_refresh_trainable = true;
-  // Reduce gradients in f16.
-  bool reduce_fp16 = false;
+  // Mixed precision (Note [mixed precision on f32 ops] in common/nn/mixed_precision.h), PyTorch DDP's
+  // _MixedPrecision choices in FSDP2's policy. param_dtype: every forward (and so its backward) computes with the
+  // parameters' values rounded to it (nn::MixedPrecisionHooks on the module: rounded copies swapped in for the
+  // call, Note [rounded parameters in forward]); the parameters stay f32, the master the optimizer steps, and
+  // their gradients land f32. reduce_dtype (empty: param_dtype, or each gradient's own dtype): gradients are
+  // reduced in it (half the bytes for bf16 / f16). cast_forward_inputs rounds the module's floating inputs to
+  // param_dtype, output_dtype its floating outputs. A dtype that is not floating is InvalidArgument at create().
+  // With Oss, keep OssOptions::broadcast_dtype empty for an f32 master on every rank (broadcast_dtype rounds the
+  // owner's parameters too).
+  nn::MixedPrecisionPolicy mixed_precision = {};
   // Log a warning when the trainable set changed (auto_refresh_trainable).
   bool warn_on_trainable_params_changed = true;
   // Launched buckets that keep their buffers before the oldest is waited for.
@@ -158,6 +168,8 @@ class DataParallel {
   std::vector<bool> trainable_;
   std::vector<std::shared_ptr<comm::Work>> buffer_works_;
   autograd::HookHandle forward_hook_;
+  // Registered after forward_hook_, so the trainable set is read from the f32 masters.
+  std::unique_ptr<nn::MixedPrecisionHooks> mixed_precision_;
 };
 
 // The unsharded baseline: every gradient all-reduced (averaged) in buckets during backward.

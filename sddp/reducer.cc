@@ -88,7 +88,7 @@ void Reducer::build_buckets(const std::vector<int>& order) {
   slots_.assign(n, ParamSlot{});
   std::vector<int> position(n, 0);
   for (std::size_t i = 0; i < order.size(); ++i) position[static_cast<std::size_t>(order[i])] = static_cast<int>(i);
-  auto wire_dtype = [&](DType d) { return options_.reduce_fp16 ? DType::f16 : d; };
+  auto wire_dtype = [&](DType d) { return options_.reduce_dtype.value_or(d); };
 
   if (strategy_ == ReduceStrategy::flat_reduce_to_owner) {
     build_flat_owner_buckets(position);
@@ -108,7 +108,7 @@ void Reducer::build_buckets(const std::vector<int>& order) {
       const Tensor& first = params_[static_cast<std::size_t>(members[0])].param;
       b.dtype = wire_dtype(first.dtype());
       b.root = strategy_ == ReduceStrategy::reduce_to_owner ? params_[static_cast<std::size_t>(members[0])].owner : 0;
-      b.in_place = members.size() == 1 && !options_.reduce_fp16 && first.dtype() == DType::f32;
+      b.in_place = members.size() == 1 && b.dtype == first.dtype() && first.dtype() == DType::f32;
       for (int p : members) {
         const std::int64_t len = params_[static_cast<std::size_t>(p)].param.numel();
         slots_[static_cast<std::size_t>(p)].entries.emplace_back(static_cast<int>(buckets_.size()),
@@ -216,7 +216,7 @@ void Reducer::build_flat_owner_buckets(const std::vector<int>& position) {
     Bucket b;
     const Unit& first = units[static_cast<std::size_t>(members[0])];
     b.root = first.owner;
-    b.dtype = options_.reduce_fp16 ? DType::f16 : params_[static_cast<std::size_t>(first.param)].param.dtype();
+    b.dtype = options_.reduce_dtype.value_or(params_[static_cast<std::size_t>(first.param)].param.dtype());
     for (int ui : members) {
       const Unit& u = units[static_cast<std::size_t>(ui)];
       const ReducerParam& rp = params_[static_cast<std::size_t>(u.param)];

@@ -95,8 +95,9 @@ struct ReducerOptions {
   // Elements per bucket (per column for all ranks together in reduce_scatter); 0 = every parameter alone
   // (reduce_scatter: one column per flat space).
   std::int64_t bucket_numel = std::int64_t{1} << 22;
-  // Reduce in f16 (gradients are converted on the way into the bucket and back).
-  bool reduce_fp16 = false;
+  // The dtype gradients are reduced in (converted on the way into the bucket, scaled by 1/world in the same
+  // pass, and back into the gradient's dtype after the reduction); empty: each gradient's own dtype.
+  std::optional<DType> reduce_dtype = std::nullopt;
   int max_buckets_in_flight = 4;
   // Rebuild buckets from the ready order observed in the first synchronised backward.
   bool rebuild_buckets = true;

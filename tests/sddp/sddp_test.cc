@@ -334,8 +334,9 @@ TEST(ShardedGradScaler, ScaledShardedTrainingEqualsUnscaledReference) {
   }
 }
 
-// reduce_fp16: gradients travel in f16 (half the bytes); training stays close to the f32 reference.
-TEST(ReduceFp16, HalvesGradientBytesAndStaysClose) {
+// mixed_precision.reduce_dtype f16 alone: gradients travel in f16 (half the bytes), the forward stays f32;
+// training stays close to the f32 reference.
+TEST(ReduceDtype, F16HalvesGradientBytesAndStaysClose) {
   const auto want = test_util::Reference(5);
   for (const bool flat : {false, true}) {
     std::vector<std::vector<std::vector<float>>> got(2);
@@ -346,7 +347,7 @@ TEST(ReduceFp16, HalvesGradientBytesAndStaysClose) {
                                   env.group_ptr, {.policy = flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy});
       if (!oss.ok()) return oss.status();
       auto dp = ShardedDataParallel::create(model, {oss->get()}, env.group_ptr,
-                                            {.reduce_buffer_size = 500, .reduce_fp16 = true});
+                                            {.reduce_buffer_size = 500, .mixed_precision = {.reduce_dtype = DType::f16}});
       if (!dp.ok()) return dp.status();
       for (int step = 0; step < 5; ++step) {
         auto [x, y] = Batch(step, env.rank * kBatch / 2, kBatch / 2);
