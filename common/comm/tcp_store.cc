@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 
 namespace shardkit::comm {
@@ -82,7 +83,9 @@ absl::StatusOr<tcp::Socket> TcpStore::open_connection(absl::Time deadline) {
     return absl::UnavailableError(absl::StrCat("TcpStore handshake with ", what, " failed: ", reply.status().message()));
   }
   if (reply->type == proto::MessageType::kError) {
-    return absl::PermissionDeniedError(absl::StrCat("TcpStore: ", what, " refused the connection: ", reply->value));
+    const std::string message = absl::StrCat("TcpStore: ", what, " refused the connection: ", reply->value);
+    if (absl::StartsWith(reply->value, proto::kConnectionLimitPrefix)) return absl::ResourceExhaustedError(message);
+    return absl::PermissionDeniedError(message);
   }
   if (reply->type != proto::MessageType::kOk) {
     return absl::InternalError(absl::StrCat("TcpStore handshake with ", what, ": expected an ok reply, found type ",

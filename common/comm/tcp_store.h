@@ -3,7 +3,8 @@
 //
 // Connecting: create() retries connecting until options.connect_timeout has passed (the server may start
 // later than its clients), then performs the handshake; a wrong or missing token is refused by the server
-// and create() returns PermissionDenied quoting its reason.
+// and create() returns PermissionDenied quoting its reason; a server over one of its connection limits
+// (tcp_store_server.h) gives ResourceExhausted quoting the limit.
 // Token: options.token, or when that is empty the environment variable SHARDKIT_STORE_TOKEN (read once, in
 // create()). The server compares in constant time.
 // Integers written by add() are stored as decimal text (get() returns e.g. "3"); the server's refusal of an

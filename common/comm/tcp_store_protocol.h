@@ -13,7 +13,10 @@
 //   kDelete  str key                                    kError   str message (server closes after it)
 //   kWait    u32 n, n x str key, i64 timeout_ms
 //
-// The first frame of every connection must be kHello; the server answers kOk or kError and closes.
+// The first frame of every connection must be kHello; the server answers kOk or kError and closes. Until the
+// hello is accepted a frame may announce at most kMaxHelloPayloadBytes (the server allocates nothing larger for
+// a client that has not authenticated). A server over one of its connection limits answers a kError starting
+// with kConnectionLimitPrefix and closes without reading the hello.
 // Every field is bounds-checked against the payload; a payload with bytes left over is malformed.
 // Pure functions, thread-compatible.
 #pragma once
@@ -33,6 +36,9 @@ inline constexpr std::uint32_t kVersion = 1;
 inline constexpr std::size_t kHeaderBytes = 4;
 inline constexpr std::size_t kDefaultMaxFrameBytes = 16u << 20;  // 16 MiB
 inline constexpr std::size_t kMaxKeyBytes = 4096;
+// The largest hello payload: u8 type, u32 magic, u32 version, str token (at most kMaxKeyBytes).
+inline constexpr std::size_t kMaxHelloPayloadBytes = 1 + 4 + 4 + 4 + kMaxKeyBytes;
+inline constexpr char kConnectionLimitPrefix[] = "store connection limit reached: ";
 inline constexpr std::uint32_t kMaxKeysPerRequest = 65536;
 // The longest get / wait timeout on the wire: 2^40 ms, about 35 years. The client clamps longer (and
 // infinite) timeouts to it, and the server clamps what it receives to [0, kMaxTimeoutMs] before turning it

@@ -1,5 +1,7 @@
 // TcpStore / TcpStoreServer: the Store contract over real loopback sockets, and the server's robustness
-// against malformed, oversized, truncated and stalled frames and refused handshakes (issue 4 acceptance).
+// against malformed, oversized, truncated and stalled frames and refused handshakes (issue 4 acceptance),
+// and its resource limits: unauthenticated length prefixes, parked-then-disconnected clients, connection
+// limits and rate-limited warnings (issue 17 acceptance).
 #include "common/comm/tcp_store.h"
 
 #include <poll.h>
@@ -7,7 +9,10 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <filesystem>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -399,6 +404,207 @@ TEST(TcpStoreServerFaults, StalledFrameIsClosedAfterTheFrameTimeout) {
   RawConnection silent((*server)->port());
   EXPECT_TRUE(silent.closed_by_server(absl::Seconds(10)));
   EXPECT_GE((*server)->rejected_connections(), 2);
+}
+
+
+// ---- resource limits (issue 17) --------------------------------------------------------------------
+
+// Polls `condition` until it holds or `within` passes (no sleeping to synchronise: a deadline on a condition).
+bool eventually(const std::function<bool()>& condition, absl::Duration within = absl::Seconds(20)) {
+  const absl::Time deadline = absl::Now() + within;
+  for (;;) {
+    if (condition()) return true;
+    if (absl::Now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+int open_fds() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// Captures what a server logs.
+struct CapturedLog {
+  std::mutex mu;
+  std::vector<std::string> lines;
+  Logger logger{LoggerOptions{LogLevel::kWarning, [this](LogLevel, std::string_view line) {
+                                std::lock_guard<std::mutex> lock(mu);
+                                lines.emplace_back(line);
+                              }}};
+  std::vector<std::string> snapshot() {
+    std::lock_guard<std::mutex> lock(mu);
+    return lines;
+  }
+};
+
+// 200 connections that never authenticate each announce a 16 MiB frame. Before the fix the server allocated
+// (and zero-filled) 16 MiB for each, 3.2 GB in all, and answered none of them until the frame timeout; now
+// a header larger than a hello is refused before anything is allocated, and a client with the token is
+// served meanwhile. Bound: the server never buffers more than 1 MiB at once.
+TEST(TcpStoreServerLimits, UnauthenticatedLargePrefixesAllocateNothingAndACorrectClientIsServed) {
+  TcpStoreServerOptions so;
+  so.token = "s3cret";
+  so.frame_timeout = absl::Seconds(3);
+  auto server = TcpStoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  constexpr int kFlood = 200;
+  constexpr std::uint32_t kAnnounced = 16u << 20;
+  std::vector<std::unique_ptr<RawConnection>> flood;
+  for (int i = 0; i < kFlood; ++i) {
+    flood.push_back(std::make_unique<RawConnection>((*server)->port()));
+    flood.back()->send(header(kAnnounced));
+  }
+  auto good = make_client((*server)->port(), "s3cret");
+  ASSERT_TRUE(good.ok()) << good.status();
+  ASSERT_TRUE((*good)->set("k", "v").ok());
+  EXPECT_EQ(*(*good)->get("k", absl::Seconds(1)), "v");
+  for (auto& raw : flood) {
+    auto r = raw->read_reply();
+    if (!r.ok()) {
+      ADD_FAILURE() << r.status();
+      continue;
+    }
+    EXPECT_EQ(r->type, proto::MessageType::kError);
+    EXPECT_THAT(r->value, HasSubstr(absl::StrCat("store handshake refused: expected a hello frame of at most ",
+                                                 proto::kMaxHelloPayloadBytes,
+                                                 " payload bytes, found a header announcing ", kAnnounced)));
+    EXPECT_TRUE(raw->closed_by_server(absl::Seconds(5)));
+  }
+  const TcpStoreServerStats stats = (*server)->stats();
+  EXPECT_LT(stats.peak_buffered_bytes, 1 << 20);  // 200 x kMaxHelloPayloadBytes would be 0.8 MiB
+  EXPECT_EQ(stats.rejected_connections, kFlood);
+}
+
+// Clients that disconnect while their get / wait is parked. Before the fix the server noticed nothing until
+// the request's timeout (here two minutes): each connection stayed open in CLOSE_WAIT, one file descriptor
+// per dead client. Now every one is closed and its request dropped as soon as its client goes.
+TEST(TcpStoreServerLimits, ParkedThenDisconnectedClientsReleaseTheirConnections) {
+  auto server = TcpStoreServer::start({});
+  ASSERT_TRUE(server.ok()) << server.status();
+  TcpStoreServer& s = **server;
+  const int fds_before = open_fds();
+  constexpr int kClients = 50;
+  std::vector<std::unique_ptr<RawConnection>> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(std::make_unique<RawConnection>(s.port()));
+    clients.back()->hello();
+    proto::Message m;
+    m.type = i % 2 == 0 ? proto::MessageType::kGet : proto::MessageType::kWait;
+    m.keys = {"never", absl::StrCat("never", i)};
+    if (m.type == proto::MessageType::kGet) m.keys.resize(1);
+    m.number = 120'000;
+    clients.back()->send(proto::encode_frame(m));
+  }
+  ASSERT_TRUE(eventually([&] { return s.stats().parked_requests == kClients; }));
+  EXPECT_EQ(s.stats().open_connections, kClients);
+  for (auto& c : clients) c->close();
+  EXPECT_TRUE(eventually([&] { return s.stats().open_connections == 0; }))
+      << s.stats().open_connections << " connections still open";
+  EXPECT_EQ(s.stats().parked_requests, 0);
+  EXPECT_TRUE(eventually([&] { return open_fds() == fds_before; }))
+      << open_fds() << " fds open, " << fds_before << " before";
+  EXPECT_EQ(s.stats().rejected_connections, 0);  // a client going away is not a protocol error
+  // The server still serves, and setting the keys the dead clients waited for answers no one.
+  auto c = make_client(s.port());
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->set("never", "now").ok());
+  EXPECT_EQ(*(*c)->get("never", absl::Seconds(1)), "now");
+}
+
+
+TEST(TcpStoreServerLimits, ConnectionsOverAPerAddressLimitAreRefusedWithAClearMessage) {
+  CapturedLog log;
+  TcpStoreServerOptions so;
+  so.max_connections_per_address = 3;
+  so.logger = &log.logger;
+  auto server = TcpStoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  TcpStoreServer& s = **server;
+  std::vector<std::unique_ptr<RawConnection>> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(std::make_unique<RawConnection>(s.port()));
+    held.back()->hello();
+  }
+  auto refused = make_client(s.port());
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("store connection limit reached: 3 connections from 127.0.0.1 open "
+                        "(max_connections_per_address = 3)"));
+  EXPECT_EQ(s.stats().refused_connections, 1);
+  const auto lines = log.snapshot();
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_THAT(lines[0], HasSubstr("TcpStoreServer: refusing a connection from 127.0.0.1:"));
+  EXPECT_THAT(lines[0], HasSubstr("(max_connections_per_address = 3)"));
+  // A slot freed is a slot usable again.
+  held.back()->close();
+  ASSERT_TRUE(eventually([&] { return s.stats().open_connections == 2; }));
+  auto admitted = make_client(s.port());
+  ASSERT_TRUE(admitted.ok()) << admitted.status();
+  EXPECT_TRUE((*admitted)->set("k", "v").ok());
+}
+
+TEST(TcpStoreServerLimits, ConnectionsOverTheTotalLimitAreRefused) {
+  CapturedLog log;
+  TcpStoreServerOptions so;
+  so.max_connections = 2;
+  so.logger = &log.logger;
+  auto server = TcpStoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  RawConnection a((*server)->port()), b((*server)->port());
+  a.hello();
+  b.hello();
+  auto refused = make_client((*server)->port());
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("2 connections open (max_connections = 2)"));
+  EXPECT_EQ((*server)->stats().open_connections, 2);
+}
+
+TEST(TcpStoreServerLimits, BadLimitsAreRejectedAtStart) {
+  TcpStoreServerOptions so;
+  so.max_connections_per_address = 0;
+  auto server = TcpStoreServer::start(so);
+  ASSERT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(server.status().message(), HasSubstr("found 8192 and 0"));
+}
+
+// 20 refused handshakes with room for 5 warnings per window: 5 lines, each naming the peer, 15 counted.
+TEST(TcpStoreServerLimits, WarningsAreRateLimitedAndNameThePeer) {
+  CapturedLog log;
+  TcpStoreServerOptions so;
+  so.token = "right";
+  so.max_warnings_per_window = 5;
+  so.warning_window = absl::Hours(1);
+  so.logger = &log.logger;
+  auto server = TcpStoreServer::start(so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (int i = 0; i < 20; ++i) {
+    auto c = make_client((*server)->port(), "wrong");
+    ASSERT_EQ(c.status().code(), absl::StatusCode::kPermissionDenied) << c.status();
+  }
+  const auto lines = log.snapshot();
+  ASSERT_EQ(lines.size(), 5u);
+  for (const auto& line : lines) {
+    EXPECT_THAT(line, HasSubstr("TcpStoreServer: closing the connection from 127.0.0.1:"));
+    EXPECT_THAT(line, HasSubstr("wrong or missing token"));
+  }
+  EXPECT_EQ((*server)->stats().suppressed_warnings, 15);
+  EXPECT_EQ((*server)->stats().rejected_connections, 20);
+}
+
+// Large frames from an authenticated client are served, and their buffers are not kept afterwards.
+TEST(TcpStoreServerLimits, LargeFrameBuffersAreReleasedAfterUse) {
+  auto server = make_server();
+  auto c = make_client(server->port());
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->set("big", std::string(4 << 20, 'x')).ok());
+  EXPECT_EQ((*c)->get("big", absl::Seconds(5))->size(), 4u << 20);
+  const TcpStoreServerStats st = server->server()->stats();
+  EXPECT_GE(st.peak_buffered_bytes, 4 << 20);
+  EXPECT_TRUE(eventually([&] {
+    return server->server()->stats().buffered_bytes <= 4 * static_cast<std::int64_t>(TcpStoreServer::kRetainedBufferBytes);
+  })) << server->server()->stats().buffered_bytes;
 }
 
 }  // namespace
