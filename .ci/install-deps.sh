@@ -7,6 +7,7 @@ PKGS=(
   libabsl-dev libboost-dev libboost-system-dev libopenblas-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev
+  libopenmpi-dev openmpi-bin
 )
 # pip, for the interop tests' Python packages below, when the python3 on PATH has none.
 if command -v python3 >/dev/null 2>&1 && ! python3 -m pip --version >/dev/null 2>&1; then PKGS+=(python3-pip); fi

@@ -57,29 +57,96 @@ std::string route_source_address(const std::string& host, std::uint16_t port) {
 
 }  // namespace
 
+// Note [launchers]
+// Three launchers tell a process its rank, each with its own variables:
+//   shardrun / torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (all but LOCAL_RANK required);
+//   mpirun (Open MPI):   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE;
+//   Slurm (srun):        SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST.
+// RANK wins when set (a torchrun-style launch inside an allocation), then Open MPI's, then Slurm's. mpirun and
+// srun know nothing of the store: MASTER_ADDR defaults to 127.0.0.1 under mpirun when every rank is on this host
+// (_LOCAL_SIZE = _SIZE) and to the first host of SLURM_JOB_NODELIST under Slurm; MASTER_PORT defaults to 29500.
 absl::StatusOr<ProcessRankEnv> parse_rank_env(const std::function<const char*(const char*)>& lookup) {
+  struct Names {
+    const char* launcher;
+    const char* rank;
+    const char* size;
+    const char* local_rank;
+  };
+  const Names torchrun{"shardrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"};
+  const Names ompi{"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"};
+  const Names slurm{"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"};
+  const Names& v = lookup("RANK") != nullptr                   ? torchrun
+                   : lookup("OMPI_COMM_WORLD_RANK") != nullptr ? ompi
+                   : lookup("SLURM_PROCID") != nullptr         ? slurm
+                                                               : torchrun;
   ProcessRankEnv env;
-  auto world = parse_in("WORLD_SIZE", lookup("WORLD_SIZE"), 1, 1 << 20, "an integer >= 1");
+  env.launcher = v.launcher;
+  auto world = parse_in(v.size, lookup(v.size), 1, 1 << 20, "an integer >= 1");
   if (!world.ok()) return world.status();
   env.world_size = static_cast<int>(*world);
-  const std::string rank_range = absl::StrCat("an integer in [0, WORLD_SIZE=", env.world_size, ")");
-  auto rank = parse_in("RANK", lookup("RANK"), 0, env.world_size - 1, rank_range);
+  const std::string rank_range = absl::StrCat("an integer in [0, ", v.size, "=", env.world_size, ")");
+  auto rank = parse_in(v.rank, lookup(v.rank), 0, env.world_size - 1, rank_range);
   if (!rank.ok()) return rank.status();
   env.rank = static_cast<int>(*rank);
-  if (const char* lr = lookup("LOCAL_RANK"); lr != nullptr) {
-    auto local = parse_in("LOCAL_RANK", lr, 0, env.world_size - 1, rank_range);
+  if (const char* lr = lookup(v.local_rank); lr != nullptr) {
+    auto local = parse_in(v.local_rank, lr, 0, env.world_size - 1, rank_range);
     if (!local.ok()) return local.status();
     env.local_rank = static_cast<int>(*local);
   } else {
     env.local_rank = env.rank;
   }
   const char* addr = lookup("MASTER_ADDR");
-  if (addr == nullptr || *addr == '\0') return bad("MASTER_ADDR", "a host name or address", addr);
-  env.master_addr = addr;
-  auto port = parse_in("MASTER_PORT", lookup("MASTER_PORT"), 1, 65535, "a port number in [1, 65535]");
+  if (addr != nullptr && *addr != '\0') {
+    env.master_addr = addr;
+  } else if (&v == &ompi) {
+    const char* local_size = lookup("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (local_size == nullptr || std::string(local_size) != std::to_string(env.world_size)) {
+      return bad("MASTER_ADDR", "a host name or address (ranks on several hosts: mpirun -x MASTER_ADDR=<host of rank 0>)",
+                 addr);
+    }
+    env.master_addr = "127.0.0.1";
+  } else if (&v == &slurm) {
+    const char* nodes = lookup("SLURM_JOB_NODELIST");
+    if (nodes == nullptr) nodes = lookup("SLURM_NODELIST");
+    auto first = first_slurm_host(nodes == nullptr ? "" : nodes);
+    if (!first.ok()) return bad("SLURM_JOB_NODELIST", "a Slurm host list such as 'node[01-04],gpu7'", nodes);
+    env.master_addr = *first;
+  } else {
+    return bad("MASTER_ADDR", "a host name or address", addr);
+  }
+  const char* port_value = lookup("MASTER_PORT");
+  if (port_value == nullptr && &v != &torchrun) port_value = "29500";
+  auto port = parse_in("MASTER_PORT", port_value, 1, 65535, "a port number in [1, 65535]");
   if (!port.ok()) return port.status();
   env.master_port = static_cast<std::uint16_t>(*port);
   return env;
+}
+
+absl::StatusOr<std::string> first_slurm_host(std::string_view nodelist) {
+  // The first entry ends at the first comma outside brackets: "node[01-04,07],gpu3" -> "node[01-04,07]".
+  std::size_t end = 0;
+  int depth = 0;
+  for (; end < nodelist.size(); ++end) {
+    if (nodelist[end] == '[') ++depth;
+    if (nodelist[end] == ']') --depth;
+    if (nodelist[end] == ',' && depth == 0) break;
+  }
+  const std::string_view entry = nodelist.substr(0, end);
+  const std::size_t open = entry.find('[');
+  if (open == std::string_view::npos) {
+    if (entry.empty() || entry.find(']') != std::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("expected a Slurm host list, found '", std::string(nodelist), "'"));
+    }
+    return std::string(entry);
+  }
+  // "prefix[lo-hi,...]suffix": the first host is prefix + the first number (its zero padding kept) + suffix.
+  const std::size_t close = entry.find(']', open);
+  std::string_view range = close == std::string_view::npos ? std::string_view() : entry.substr(open + 1, close - open - 1);
+  const std::string_view first = range.substr(0, range.find_first_of(",-"));
+  if (open == 0 || first.empty() || first.find_first_not_of("0123456789") != std::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("expected a Slurm host list, found '", std::string(nodelist), "'"));
+  }
+  return absl::StrCat(std::string(entry.substr(0, open)), std::string(first), std::string(entry.substr(close + 1)));
 }
 
 absl::StatusOr<ProcessRankEnv> read_rank_env() {

@@ -1,5 +1,5 @@
 // init_from_env(): the torchrun convention (DESIGN.md section 2). Reads RANK, WORLD_SIZE, LOCAL_RANK,
-// MASTER_ADDR, MASTER_PORT (as set by tools/shardrun), connects a TcpStore (rank 0 hosts its server on
+// MASTER_ADDR, MASTER_PORT (as set by tools/shardrun; under mpirun or srun their variables, parse_rank_env), connects a TcpStore (rank 0 hosts its server on
 // MASTER_ADDR:MASTER_PORT, or with host_store = false every rank connects to a standalone server such as
 // tools/shardkit-store; clients retry connecting until store_connect_timeout) and returns this rank's TCP
 // process group over all WORLD_SIZE ranks.
@@ -41,11 +41,16 @@ struct ProcessRankEnv {
   int local_rank = 0;
   std::string master_addr;
   std::uint16_t master_port = 0;
+  std::string launcher = "shardrun";  // whose variables gave the rank: "shardrun" (torchrun's), "mpirun", "slurm"
 };
 
 // Parses the variables through `lookup` (returns null for an unset variable). LOCAL_RANK defaults to RANK
-// when unset. Pure: testable without touching the process environment.
+// when unset. Also understands mpirun's (OMPI_COMM_WORLD_*) and Slurm's (SLURM_PROCID, ...) variables, with
+// defaults for MASTER_ADDR / MASTER_PORT there (Note [launchers] in init_from_env.cc). Pure: testable without
+// touching the process environment.
 absl::StatusOr<ProcessRankEnv> parse_rank_env(const std::function<const char*(const char*)>& lookup);
+// The first host of a Slurm host list: "node[01-04,07],gpu3" -> "node01"; "gpu3,gpu4" -> "gpu3".
+absl::StatusOr<std::string> first_slurm_host(std::string_view nodelist);
 // parse_rank_env(getenv).
 absl::StatusOr<ProcessRankEnv> read_rank_env();
 

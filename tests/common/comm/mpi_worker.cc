@@ -1,0 +1,174 @@
+// A rank program for the MPI backend's tests, launched by mpirun (mpi_test.cc). Each mode prints one line per
+// rank that the test reads:
+//   mpi_worker matrix    every collective x op x dtype against the reference (tcp_test_util.h) on the world and
+//                        on a split sub-group, in-place all_gather / reduce_scatter, a ring of send / recv, and a
+//                        check that every rank holds bit-identical all_reduce results; prints "MPI MATRIX OK"
+//   mpi_worker disagree  rank 0 all-reduces 10 elements, the others 11; prints "ERROR: <status>"
+//   mpi_worker abort     rank n-1 aborts the world while the others wait in an all_reduce; prints
+//                        "ERROR <ms> ms: <status>" (rank n-1: "ABORTED")
+//   mpi_worker stall     rank 1 never joins an all_reduce with a 2 s timeout; the others print
+//                        "ERROR <ms> ms: <status>", rank 1 "STALLED"
+// After a failure the ranks meet on a second world group (a fresh communicator: MPI is still usable) so every
+// rank prints before mpirun ends the job (a process that exits without MPI_Finalize ends it).
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/comm/mpi_process_group.h"
+#include "tests/common/comm/tcp_test_util.h"
+
+// Open MPI keeps allocations until the process exits; they are not shardkit's leaks.
+extern "C" const char* __lsan_default_suppressions() {
+  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:libpmix.so\nleak:libhwloc.so\n";
+}
+
+using namespace shardkit;
+using namespace shardkit::comm;
+
+namespace {
+
+int report_error(const absl::Status& st, absl::Time start) {
+  std::printf("ERROR %lld ms: %s\n", static_cast<long long>(absl::ToInt64Milliseconds(absl::Now() - start)),
+              st.ToString().c_str());
+  std::fflush(stdout);
+  return 3;
+}
+
+// The ranks meet on a fresh world group, so that none exits (and ends the job) before the others printed.
+void meet_again() {
+  auto fresh = create_mpi_world({.default_timeout = absl::Seconds(60), .name = "fresh"});
+  if (fresh.ok()) (void)(*fresh)->barrier()->wait();
+}
+
+std::vector<std::string> in_place_and_p2p(ProcessGroup& pg) {
+  std::vector<std::string> errors;
+  const int n = pg.size(), r = pg.rank();
+  const std::int64_t m = 37;
+  {  // all_gather in place: this rank's input is its slot of the output
+    Tensor out = Tensor::zeros({n * m});
+    out.view(r * m, {m}).copy_(tcp_testing::make_input(r, m, DType::f32));
+    absl::Status st = pg.all_gather(out, out.view(r * m, {m}))->wait();
+    const std::string bad = tcp_testing::compare(out, DType::f32, [&](std::int64_t j) {
+      return tcp_testing::input_value(static_cast<int>(j / m), j % m);
+    });
+    if (!st.ok() || !bad.empty()) errors.push_back(absl::StrCat("all_gather in place: ", st.ToString(), " ", bad));
+  }
+  {  // reduce_scatter in place: the output is slice r of the input
+    Tensor in = tcp_testing::make_input(r, n * m, DType::bf16);
+    Tensor out = in.view(r * m, {m});
+    absl::Status st = pg.reduce_scatter(out, in, tcp_testing::rs_opts(ReduceOp::avg()))->wait();
+    const std::string bad = tcp_testing::compare(out, DType::bf16, [&](std::int64_t j) {
+      return tcp_testing::reference(ReduceOp::avg(), DType::bf16, n, r * m + j);
+    });
+    if (!st.ok() || !bad.empty()) errors.push_back(absl::StrCat("reduce_scatter in place: ", st.ToString(), " ", bad));
+  }
+  if (n > 1) {  // a ring: send to the next rank, receive from the previous one
+    Tensor mine = Tensor::full({m}, r + 1, {}), got = Tensor::zeros({m});
+    auto sent = pg.send(mine, (r + 1) % n);
+    absl::Status st = pg.recv(got, (r + n - 1) % n)->wait();
+    if (st.ok()) st = sent->wait();
+    const int from = (r + n - 1) % n;
+    if (!st.ok() || got.item_at(m - 1) != from + 1) {
+      errors.push_back(absl::StrCat("send/recv: ", st.ToString(), " got ", got.item_at(m - 1)));
+    }
+  }
+  {  // every rank holds bit-identical all_reduce results (f32 sums of values that round)
+    Tensor t = Tensor::zeros({4099});
+    for (std::int64_t j = 0; j < t.numel(); ++j) t.data<float>()[j] = 0.1f * static_cast<float>(r + 1) / static_cast<float>(j + 3);
+    Tensor all = Tensor::zeros({n * t.numel()});
+    absl::Status st = pg.all_reduce(t)->wait();
+    if (st.ok()) st = pg.all_gather(all, t)->wait();
+    for (int q = 0; st.ok() && q < n; ++q) {
+      if (std::memcmp(all.data<float>() + q * t.numel(), t.data<float>(), t.nbytes()) != 0) {
+        errors.push_back(absl::StrCat("all_reduce: rank ", q, "'s result differs from rank ", r, "'s"));
+        break;
+      }
+    }
+    if (!st.ok()) errors.push_back(absl::StrCat("bit-identity check: ", st.ToString()));
+  }
+  return errors;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return 64;
+  const std::string mode = argv[1];
+  auto world = create_mpi_world({.default_timeout = absl::Seconds(60)});
+  if (!world.ok()) {
+    std::printf("INIT FAILED: %s\n", world.status().ToString().c_str());
+    return 2;
+  }
+  ProcessGroup& pg = **world;
+  const int n = pg.size(), r = pg.rank();
+  if (mode == "matrix") {
+    auto errors = tcp_testing::run_collective_matrix(pg, {0, 1, 7, 61}, {DType::f32, DType::bf16, DType::f16, DType::i64});
+    auto big = tcp_testing::run_collective_matrix(pg, {1000003}, {DType::f32}, /*all_ops=*/false);
+    errors.insert(errors.end(), big.begin(), big.end());
+    auto more = in_place_and_p2p(pg);
+    errors.insert(errors.end(), more.begin(), more.end());
+    // A sub-group: the even and the odd ranks.
+    auto sub = pg.split(r % 2, r);
+    if (!sub.ok()) {
+      errors.push_back(absl::StrCat("split: ", sub.status().ToString()));
+    } else {
+      auto sub_errors = tcp_testing::run_collective_matrix(**sub, {0, 7}, {DType::f32, DType::bf16, DType::i64});
+      errors.insert(errors.end(), sub_errors.begin(), sub_errors.end());
+      auto sub_more = in_place_and_p2p(**sub);
+      errors.insert(errors.end(), sub_more.begin(), sub_more.end());
+    }
+    for (const auto& e : errors) std::printf("MISMATCH %s\n", e.c_str());
+    if (!errors.empty()) return 1;
+    if (absl::Status st = pg.barrier()->wait(); !st.ok()) return report_error(st, absl::Now());
+    std::printf("MPI MATRIX OK rank %d of %d\n", r, n);
+    return 0;
+  }
+  const absl::Time start = absl::Now();
+  if (mode == "disagree") {
+    Tensor t = Tensor::full({r == 0 ? 10 : 11}, 1.0, {});
+    absl::Status st = pg.all_reduce(t)->wait();
+    if (st.ok()) {
+      std::printf("NO ERROR\n");
+      return 0;
+    }
+    meet_again();
+    return report_error(st, start);
+  }
+  if (mode == "abort") {
+    Tensor t = Tensor::full({1 << 16}, 1.0, {});
+    if (r == n - 1) {
+      // Join once so the others are known to be under way, then abort instead of joining the second call.
+      if (!pg.all_reduce(t)->wait().ok()) return 1;
+      pg.abort(absl::InternalError("the trainer found a NaN"));
+      std::printf("ABORTED\n");
+      std::fflush(stdout);
+      meet_again();
+      return 3;
+    }
+    absl::Status st = pg.all_reduce(t)->wait();
+    if (st.ok()) st = pg.all_reduce(t)->wait();
+    if (st.ok()) {
+      std::printf("NO ERROR\n");
+      return 0;
+    }
+    meet_again();
+    return report_error(st, start);
+  }
+  if (mode == "stall") {
+    if (r == 1) {  // never joins the all_reduce; meets the others once they gave up
+      meet_again();
+      std::printf("STALLED\n");
+      return 3;
+    }
+    Tensor t = Tensor::full({1000}, 1.0, {});
+    absl::Status st = pg.all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(2)))->wait();
+    if (st.ok()) {
+      std::printf("NO ERROR\n");
+      return 0;
+    }
+    meet_again();
+    return report_error(st, start);
+  }
+  return 64;
+}
