@@ -4,7 +4,15 @@
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Without
 // --master-port (or with 0) shardrun asks the kernel for a free port. Every line a rank writes to stdout /
-// stderr is forwarded to shardrun's stdout / stderr prefixed with "[rank R] ".
+// stderr is forwarded to shardrun's stdout / stderr prefixed with "[rank R] "; a line longer than
+// kMaxLineBytes (64 KiB) is forwarded in pieces of that size, each on its own prefixed line, so output
+// without newlines costs linear time and bounded memory (a partial line at a rank's exit gets a newline).
+//
+// Note [job token]: each rank also gets SHARDKIT_STORE_TOKEN, a fresh random token per job (32 bytes from
+// getrandom, hex), so the job's TcpStore refuses clients that do not have it, e.g. other users of the node,
+// with no set-up. It travels in the environment, never on a command line (which every local user can read).
+// When SHARDKIT_STORE_TOKEN is already set in shardrun's environment (even empty: no token), the ranks
+// inherit that value instead: the way to share one token with a standalone shardkit-store.
 //
 // Exit: 0 when every rank exits 0. When a rank exits non-zero (or is killed by a signal, code 128+sig), the
 // other ranks get SIGTERM, then SIGKILL after the grace period, and shardrun returns that first code.
@@ -17,12 +25,14 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -60,34 +70,87 @@ void write_all(int fd, const char* p, std::size_t n) {
   }
 }
 
-// One output stream of one rank: complete lines are forwarded with the prefix; a partial line waits.
+// One output stream of one rank: complete lines are forwarded with the prefix; a partial line waits, up to
+// kMaxLineBytes. Each byte read is searched at most twice, and pending never holds more than kMaxLineBytes.
+constexpr std::size_t kMaxLineBytes = 64 << 10;
+
 struct Stream {
   int fd = -1;
   int out_fd = 1;
   std::string prefix;
-  std::string pending;
+  std::string pending;  // a partial line, at most kMaxLineBytes
 
   void emit(const char* data, std::size_t n) {
-    pending.append(data, n);
-    std::size_t start = 0;
     std::string out;
-    for (;;) {
-      const std::size_t nl = pending.find('\n', start);
-      if (nl == std::string::npos) break;
-      out += prefix;
-      out.append(pending, start, nl + 1 - start);
-      start = nl + 1;
+    while (n > 0) {
+      // The line's content may take `room` more bytes; a newline at position room still ends it in time.
+      const std::size_t room = kMaxLineBytes - pending.size();
+      const std::size_t search = std::min(n, room + 1);
+      const char* nl = static_cast<const char*>(std::memchr(data, '\n', search));
+      std::size_t take = 0;  // bytes of data that complete a line (the newline included, if any)
+      if (nl != nullptr) {
+        take = static_cast<std::size_t>(nl - data) + 1;
+        append_line(out, data, take - 1);
+      } else if (n >= room) {
+        take = room;  // the line reached kMaxLineBytes: forward this piece as a line of its own
+        append_line(out, data, take);
+      } else {
+        pending.append(data, n);
+        break;
+      }
+      data += take;
+      n -= take;
     }
-    pending.erase(0, start);
     if (!out.empty()) write_all(out_fd, out.data(), out.size());
   }
   void flush() {
     if (pending.empty()) return;
-    std::string out = prefix + pending + "\n";
-    pending.clear();
+    std::string out;
+    append_line(out, nullptr, 0);
     write_all(out_fd, out.data(), out.size());
   }
+
+ private:
+  // Appends prefix + pending + data[0, n) + newline to out, and empties pending.
+  void append_line(std::string& out, const char* data, std::size_t n) {
+    out += prefix;
+    out += pending;
+    out.append(data, n);
+    out += '\n';
+    pending.clear();
+  }
 };
+
+// 32 random bytes as 64 hex digits (Note [job token]); empty when no random source answered.
+std::string random_token() {
+  unsigned char bytes[32];
+  std::size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t k = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) break;
+    got += static_cast<std::size_t>(k);
+  }
+  if (got < sizeof(bytes)) {  // getrandom unavailable (old kernel, seccomp): the same pool through the file
+    const int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    got = 0;
+    while (fd >= 0 && got < sizeof(bytes)) {
+      const ssize_t k = ::read(fd, bytes + got, sizeof(bytes) - got);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) break;
+      got += static_cast<std::size_t>(k);
+    }
+    if (fd >= 0) ::close(fd);
+    if (got < sizeof(bytes)) return {};
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token += kHex[b >> 4];
+    token += kHex[b & 15];
+  }
+  return token;
+}
 
 struct Rank {
   pid_t pid = -1;
@@ -165,6 +228,10 @@ int main(int argc, char** argv) {
       }
     } else if (a == "-h" || a == "--help") {
       usage();
+      std::fprintf(stderr,
+                   "Starts N local ranks with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT\n"
+                   "and SHARDKIT_STORE_TOKEN (a random token per job; set it yourself to choose one, e.g. to share\n"
+                   "it with a standalone shardkit-store). Output lines are prefixed with \"[rank R] \".\n");
       return 0;
     } else {
       std::fprintf(stderr, "shardrun: unknown argument '%s'\n", a.c_str());
@@ -183,6 +250,17 @@ int main(int argc, char** argv) {
       return 1;
     }
     port = p;
+  }
+
+  // Note [job token]: the ranks inherit shardrun's environment, so setting it here reaches every one.
+  if (std::getenv("SHARDKIT_STORE_TOKEN") == nullptr) {
+    const std::string token = random_token();
+    if (token.empty()) {
+      std::fprintf(stderr, "shardrun: expected 32 random bytes for the job's store token (getrandom or /dev/urandom), "
+                           "found none; set SHARDKIT_STORE_TOKEN to choose one\n");
+      return 1;
+    }
+    ::setenv("SHARDKIT_STORE_TOKEN", token.c_str(), 1);
   }
 
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {

@@ -1,15 +1,18 @@
 // shardrun: environment, prefixed output, exit-code propagation, stopping the other ranks (SIGTERM then
-// SIGKILL), signal forwarding and the no-orphans guarantee, each run for real and bounded in time.
+// SIGKILL), signal forwarding and the no-orphans guarantee, each run for real and bounded in time; the
+// per-job store token and output without newlines (issue 17).
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <set>
 #include <sstream>
 #include <thread>
 
+#include "common/comm/tcp_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tools/subprocess.h"
@@ -156,6 +159,98 @@ TEST(Shardrun, RanksDieWhenTheLauncherIsKilled) {
   killer.join();
   EXPECT_EQ(r.exit_code, 128 + SIGKILL);
   EXPECT_TRUE(all_dead(rank_pids(dir, 2)));
+}
+
+
+// A rank that writes 32 MiB without a newline. Before the fix shardrun kept the whole partial line, searched
+// all of it again after every read (quadratic) and forwarded it as one 32 MiB line at the end; now the
+// output arrives intact in prefixed pieces of 64 KiB (shardrun's kMaxLineBytes), so shardrun never holds
+// more than one piece.
+TEST(Shardrun, OutputWithoutNewlinesIsForwardedIntactInBoundedPieces) {
+  constexpr long long kBytes = 32ll << 20;
+  constexpr std::size_t kPiece = 64 << 10;
+  auto r = run_command({kShardrun, "--nproc", "1", "--", kChild, "nonewline", std::to_string(kBytes)}, 120);
+  ASSERT_FALSE(r.timed_out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string expected;
+  expected.reserve(static_cast<std::size_t>(kBytes) + (kBytes / kPiece) * 10);
+  std::string piece;
+  for (long long i = 0; i < kBytes; ++i) {
+    piece += static_cast<char>('a' + i % 26);
+    if (piece.size() == kPiece || i + 1 == kBytes) {
+      expected += "[rank 0] " + piece + "\n";
+      piece.clear();
+    }
+  }
+  ASSERT_EQ(r.out.size(), expected.size());
+  EXPECT_TRUE(r.out == expected) << "first difference at byte "
+                                 << std::mismatch(r.out.begin(), r.out.end(), expected.begin()).first - r.out.begin();
+}
+
+// Each job gets its own random token, the same on every rank, 64 hex digits.
+TEST(Shardrun, GivesEveryJobItsOwnStoreToken) {
+  std::set<std::string> tokens;
+  for (int job = 0; job < 2; ++job) {
+    auto r = run_command({kShardrun, "--nproc", "2", "--", kChild, "token"}, 60);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::set<std::string> seen;
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string p = "[rank " + std::to_string(rank) + "] TOKEN=";
+      const auto pos = r.out.find(p);
+      ASSERT_NE(pos, std::string::npos) << r.out;
+      const std::string token = r.out.substr(pos + p.size(), r.out.find('\n', pos) - pos - p.size());
+      EXPECT_EQ(token.size(), 64u) << token;
+      EXPECT_EQ(token.find_first_not_of("0123456789abcdef"), std::string::npos) << token;
+      seen.insert(token);
+    }
+    EXPECT_EQ(seen.size(), 1u) << r.out;  // the ranks of one job share it
+    tokens.insert(*seen.begin());
+  }
+  EXPECT_EQ(tokens.size(), 2u);  // two jobs do not
+}
+
+TEST(Shardrun, AnExplicitTokenOverridesTheJobToken) {
+  auto r = run_command({kShardrun, "--nproc", "2", "--", kChild, "token"}, 60, {{"SHARDKIT_STORE_TOKEN", "mine"}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("[rank 0] TOKEN=mine\n"));
+  EXPECT_THAT(r.out, HasSubstr("[rank 1] TOKEN=mine\n"));
+}
+
+// The store a shardrun job's rank 0 hosts refuses a local client that does not have the job's token (one
+// with no token, one with a guess), with no set-up by the user; the job's own ranks and a client given the
+// token are served.
+TEST(Shardrun, TheJobsStoreRefusesClientsWithoutTheJobToken) {
+  const std::string dir = make_dir();
+  std::thread outsider;
+  std::string port_text, token;
+  absl::Status no_token = absl::OkStatus(), guessed = absl::OkStatus(), with_token = absl::UnknownError("not run");
+  auto r = run_command({kShardrun, "--nproc", "2", "--", kChild, "store", dir}, 90, [&](pid_t) {
+    outsider = std::thread([&] {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (::access((dir + "/port").c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      std::ifstream(dir + "/port") >> port_text;
+      std::ifstream(dir + "/token") >> token;
+      comm::TcpStoreOptions o;
+      o.port = static_cast<std::uint16_t>(std::atoi(port_text.c_str()));
+      o.connect_timeout = absl::Seconds(10);
+      no_token = comm::TcpStore::create(o).status();
+      o.token = "guessed";
+      guessed = comm::TcpStore::create(o).status();
+      o.token = token;
+      auto c = comm::TcpStore::create(o);
+      with_token = c.ok() ? (*c)->set("done", "1") : c.status();
+    });
+  });
+  outsider.join();
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(token.size(), 64u);
+  EXPECT_EQ(no_token.code(), absl::StatusCode::kPermissionDenied) << no_token;
+  EXPECT_THAT(no_token.message(), HasSubstr("wrong or missing token"));
+  EXPECT_EQ(guessed.code(), absl::StatusCode::kPermissionDenied) << guessed;
+  EXPECT_TRUE(with_token.ok()) << with_token;
 }
 
 }  // namespace

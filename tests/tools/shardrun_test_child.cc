@@ -4,15 +4,24 @@
 //   stubborn DIR            ignore SIGTERM, write DIR/pid.<rank>, pause (rank 0 exits 3 once all are ready)
 //   grandchild DIR          fork a child that pauses, write both pids to DIR; rank 0 exits 1 once all are ready
 //   hang DIR                write DIR/pid.<rank>, pause
+//   nonewline BYTES         write BYTES bytes of 'a'..'z' (repeating) to stdout without a newline; exit 0
+//   token                   print "TOKEN=<SHARDKIT_STORE_TOKEN>" or "TOKEN unset"; exit 0
+//   store DIR               rank 0 hosts a TcpStore on MASTER_ADDR:MASTER_PORT (token from the environment) and
+//                           writes DIR/token (its token) then DIR/port once every rank has connected; every
+//                           rank gets key "done" (60 s); exit 0
 // Waiting for "every rank ready" polls the directory with a 20 s bound (a helper, not a test assertion).
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include "common/comm/tcp_store.h"
 
 namespace {
 int env_int(const char* name) {
@@ -58,8 +67,61 @@ int main(int argc, char** argv) {
     std::printf("no newline");
     return 0;
   }
+  if (mode == "token") {
+    const char* t = std::getenv("SHARDKIT_STORE_TOKEN");
+    if (t == nullptr) {
+      std::printf("TOKEN unset\n");
+    } else {
+      std::printf("TOKEN=%s\n", t);
+    }
+    return 0;
+  }
   if (argc < 3) return 64;
+  if (mode == "nonewline") {
+    const long long total = std::atoll(argv[2]);
+    std::string piece(1 << 16, ' ');
+    long long written = 0;
+    while (written < total) {
+      const std::size_t n = static_cast<std::size_t>(std::min<long long>(total - written, 1 << 16));
+      for (std::size_t i = 0; i < n; ++i) piece[i] = static_cast<char>('a' + (written + i) % 26);
+      if (std::fwrite(piece.data(), 1, n, stdout) != n) return 92;
+      written += static_cast<long long>(n);
+    }
+    return 0;
+  }
   const std::string dir = argv[argc - 1];
+  if (mode == "store") {
+    shardkit::comm::TcpStoreOptions o;
+    o.host = std::getenv("MASTER_ADDR");
+    o.port = static_cast<std::uint16_t>(env_int("MASTER_PORT"));
+    o.is_server = rank == 0;
+    o.connect_timeout = absl::Seconds(30);
+    auto store = shardkit::comm::TcpStore::create(o);
+    if (!store.ok()) {
+      std::printf("rank %d: %s\n", rank, store.status().ToString().c_str());
+      return 3;
+    }
+    // Every rank has connected before rank 0 tells the test (which then releases the job).
+    std::vector<std::string> joined;
+    for (int r = 0; r < world; ++r) joined.push_back("joined." + std::to_string(r));
+    auto set = (*store)->set(joined[static_cast<std::size_t>(rank)], "1");
+    auto all = set.ok() ? (*store)->wait(joined, absl::Seconds(60)) : set;
+    if (!all.ok()) {
+      std::printf("rank %d: %s\n", rank, all.ToString().c_str());
+      return 5;
+    }
+    if (rank == 0) {
+      const char* t = std::getenv("SHARDKIT_STORE_TOKEN");
+      write_file(dir + "/token", t != nullptr ? t : "");
+      write_file(dir + "/port", std::to_string((*store)->port()));
+    }
+    auto done = (*store)->get("done", absl::Seconds(60));
+    if (!done.ok()) {
+      std::printf("rank %d: %s\n", rank, done.status().ToString().c_str());
+      return 4;
+    }
+    return 0;
+  }
   if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);
   if (mode == "grandchild") {
     const pid_t child = ::fork();
