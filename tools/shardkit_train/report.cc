@@ -42,10 +42,13 @@ std::string printable(const std::string& s) {
 
 std::int64_t peak_of(const RankStats& s, MemoryCategory c) { return s.peak[static_cast<std::size_t>(c)]; }
 
-// Expected bytes sent per rank per step by the strategy's collectives (Note [ring-equivalent volume]).
+// Expected bytes sent per rank per step by the strategy's collectives (Note [ring-equivalent volume]). Under bf16
+// gradients are reduced in bf16 (2 bytes), and fsdp also all-gathers bf16; oss / sddp all-gather the updated
+// parameters in f32 (4 bytes), because those are the owners' masters (trainer.h).
 std::string expected_comm(const Options& o, const RunResult& r) {
   const std::int64_t n = r.world, psi = r.num_params;
-  const std::int64_t grad_bytes = o.precision == Precision::bf16 ? 2 : 4;
+  const bool bf16 = o.precision == Precision::bf16;
+  const std::int64_t grad_bytes = bf16 ? 2 : 4;
   const std::int64_t ar = 2 * (n - 1) * psi * grad_bytes / n;
   switch (r.strategy) {
     case Strategy::ddp:
@@ -53,13 +56,39 @@ std::string expected_comm(const Options& o, const RunResult& r) {
     case Strategy::oss:
     case Strategy::sddp:
       return absl::StrCat("reduce_scatter of gradients (N-1) x ", grad_bytes,
-                          "Psi/N + all_gather of parameters (N-1) x ", o.precision == Precision::bf16 ? 2 : 4,
-                          "Psi/N = ", with_commas((n - 1) * ((psi + n - 1) / n) * (grad_bytes + (o.precision == Precision::bf16 ? 2 : 4))),
-                          " (with padding to N x ceil(Psi/N))");
+                          "Psi/N + all_gather of parameters (N-1) x 4Psi/N = ",
+                          with_commas((n - 1) * ((psi + n - 1) / n) * (grad_bytes + 4)), " (with padding to N x ceil(Psi/N)",
+                          bf16 ? "; the parameters are all-gathered in f32: they are the owners' masters)" : ")");
     case Strategy::fsdp:
-      return absl::StrCat("about 3(N-1)/N x 4Psi = ", with_commas(3 * (n - 1) * psi * 4 / n),
-                          ": each block all-gathered before its forward and again before its backward, its gradients "
-                          "reduce-scattered; the root unit (embeddings, final norm) is gathered once per step");
+      return absl::StrCat("about 3(N-1)/N x ", grad_bytes, "Psi = ", with_commas(3 * (n - 1) * psi * grad_bytes / n),
+                          ": each block all-gathered", bf16 ? " (in bf16)" : "",
+                          " before its forward and again before its backward, its gradients reduce-scattered",
+                          bf16 ? " (in bf16)" : "", "; the root unit (embeddings, final norm) is gathered once per step");
+  }
+  return "";
+}
+
+// Note [mixed-precision memory in shardkit-train]
+// DESIGN.md section 6's mixed-precision column counts bf16 parameters (2Psi) and gradients (2Psi) and puts the f32
+// master with AdamW's m and v (12Psi, sharded like the optimizer state). This CPU library stores things otherwise,
+// so under --precision bf16 the table compares each peak with this implementation's formula, and prints DESIGN's
+// next to it:
+//   parameter  the f32 parameters ARE the masters (4Psi; fsdp: 4Psi/N shards at rest), and during a step ddp / oss /
+//              sddp also hold f32 copies holding bf16 values (4Psi more, Note [rounded parameters in forward] in
+//              common/nn/mixed_precision.h): the ops compute in f32 only, so a copy cannot be 2-byte bf16 here.
+//              fsdp's gathered units are f32 buffers of bf16 values for the same reason (its peak is above the
+//              at-rest formula in fp32 too).
+//   gradient   gradients land f32 (4Psi, or 4Psi/N owned): backward computes in f32; the bf16 copy of a gradient
+//              lives only in the reduction's communication buffer.
+//   optimizer  AdamW's m and v (8Psi, or 8Psi/N): the master is not optimizer state here, it is the parameter.
+// So ddp's 16Psi in DESIGN's column is 8Psi + 4Psi + 8Psi = 20Psi here, and sharding moves 8Psi/N-style terms
+// exactly as in fp32 (the parameter terms do not shrink with N except in fsdp).
+const char* design_mixed_formula(Strategy s) {
+  switch (s) {
+    case Strategy::ddp: return "2Psi + 2Psi + 12Psi = 16Psi";
+    case Strategy::oss: return "2Psi + 2Psi + 12Psi/N";
+    case Strategy::sddp: return "2Psi + 2Psi/N + 12Psi/N";
+    case Strategy::fsdp: return "16Psi/N + unsharded units in flight";
   }
   return "";
 }
@@ -96,19 +125,22 @@ std::string run_header(const Options& o, Strategy strategy, const ModelSize& mod
       c.num_layers, " layers, width ", c.width, ", ", c.num_heads, " heads, context ", c.context, "; fp32 AdamW model state ",
       human_bytes(16 * c.num_parameters()), " unsharded)\n",
       "  strategy ", strategy_name(strategy), " on ", world, " ranks (", backend, "), ",
-      o.precision == Precision::bf16 ? "bf16 communication" : "fp32", ", AdamW lr ", absl::StrFormat("%g", o.lr),
+      o.precision == Precision::bf16 ? "bf16 mixed precision (f32 masters)" : "fp32", ", AdamW lr ", absl::StrFormat("%g", o.lr),
       " (warmup + cosine), seed ", o.seed, "\n",
       "  data ", corpus.source == "embedded" ? std::string("embedded corpus (the project's documentation)") : absl::StrCat("'", corpus.source, "'"),
       ", ", with_commas(static_cast<std::int64_t>(corpus.bytes.size())), " bytes; ", o.batch, " sequences x ", c.context,
       " bytes per rank per step = ", with_commas(o.batch * c.context * world), " tokens per step; ", o.steps, " steps\n");
 }
 
-Expected expected_bytes(Strategy s, MemoryCategory c, std::int64_t psi, int n, std::int64_t owned) {
+Expected expected_bytes(Strategy s, MemoryCategory c, std::int64_t psi, int n, std::int64_t owned, Precision precision) {
   const bool sharded_grad = s == Strategy::sddp || s == Strategy::fsdp, sharded_opt = s != Strategy::ddp;
   switch (c) {
     case MemoryCategory::parameter:
       // fsdp: at rest; during a step the root unit and one block are gathered on top (the peak is larger).
       if (s == Strategy::fsdp) return {4 * owned, absl::StrCat("4Psi/N at rest (owned ", with_commas(owned), ")")};
+      // bf16: the f32 masters and, during a step, their f32 copies of bf16 values (Note [mixed-precision memory in
+      // shardkit-train]).
+      if (precision == Precision::bf16) return {8 * psi, "4Psi + 4Psi"};
       return {4 * psi, "4Psi"};
     case MemoryCategory::gradient:
       if (sharded_grad) return {4 * owned, absl::StrCat("4Psi/N (owned ", with_commas(owned), ")")};
@@ -136,12 +168,19 @@ std::string run_report(const Options& o, const RunResult& r) {
   }
   const std::int64_t psi = r.num_params;
   const int n = r.world;
+  const bool bf16 = o.precision == Precision::bf16;
   absl::StrAppend(&out, "\nmemory per rank: peak bytes during a step, by ledger category (Psi = ", with_commas(psi),
-                  " parameters, N = ", n, ", fp32 AdamW; ZeRO formula for ", strategy_name(r.strategy), ": ");
+                  " parameters, N = ", n, bf16 ? ", bf16 mixed precision, f32 masters, AdamW" : ", fp32 AdamW",
+                  "; ZeRO formula for ", strategy_name(r.strategy), ": ");
+  if (bf16) {
+    absl::StrAppend(&out, "DESIGN.md's mixed-precision column ", design_mixed_formula(r.strategy),
+                    " with bf16 parameters and gradients and the f32 master in the optimizer state; this implementation: ");
+  }
+  const std::string param = bf16 ? "(4Psi + 4Psi)" : "4Psi";
   switch (r.strategy) {
-    case Strategy::ddp: absl::StrAppend(&out, "4Psi + 4Psi + 8Psi = 16Psi"); break;
-    case Strategy::oss: absl::StrAppend(&out, "4Psi + 4Psi + 8Psi/N"); break;
-    case Strategy::sddp: absl::StrAppend(&out, "4Psi + 4Psi/N + 8Psi/N"); break;
+    case Strategy::ddp: absl::StrAppend(&out, param, " + 4Psi + 8Psi = ", bf16 ? "20Psi" : "16Psi"); break;
+    case Strategy::oss: absl::StrAppend(&out, param, " + 4Psi + 8Psi/N"); break;
+    case Strategy::sddp: absl::StrAppend(&out, param, " + 4Psi/N + 8Psi/N"); break;
     case Strategy::fsdp:
       absl::StrAppend(&out, "4Psi/N + 4Psi/N + 8Psi/N = 16Psi/N at rest; a step also holds the gathered units and "
                             "their full gradients");
@@ -159,7 +198,7 @@ std::string run_report(const Options& o, const RunResult& r) {
     const RankStats& s = r.ranks[static_cast<std::size_t>(rk)];
     std::string cells[3];
     for (int c = 0; c < 3; ++c) {
-      const Expected e = expected_bytes(r.strategy, kCategories[c], psi, n, s.owned_numel);
+      const Expected e = expected_bytes(r.strategy, kCategories[c], psi, n, s.owned_numel, o.precision);
       const std::int64_t got = peak_of(s, kCategories[c]);
       cells[c] = absl::StrCat(human_bytes(got), " (", human_bytes(e.bytes), got == e.bytes ? " =" : "", ")");
     }
@@ -170,6 +209,13 @@ std::string run_report(const Options& o, const RunResult& r) {
     absl::StrAppend(&out, ckpt ? absl::StrFormat(" %14s\n", human_bytes(s.activation_peak_without_checkpointing)) : "\n");
   }
   absl::StrAppend(&out, "  (x (y =): measured x, formula y, exactly equal; owned = elements of optimizer state on the rank)\n");
+  if (bf16) {
+    // Note [mixed-precision memory in shardkit-train].
+    absl::StrAppend(&out, "  bf16: the f32 parameters are the masters (DESIGN counts the master in the optimizer state), ",
+                    r.strategy == Strategy::fsdp ? "gathered units hold bf16 values in f32 buffers"
+                                                 : "a step adds f32 copies holding bf16 values (4Psi)",
+                    ", gradients land f32: the CPU ops compute in f32 only, so bf16 values are stored 4 bytes wide\n");
+  }
   if (ckpt && !r.ranks.empty() && r.ranks[0].activation_peak_without_checkpointing >= 0) {
     const std::int64_t with = peak_of(r.ranks[0], MemoryCategory::activation);
     const std::int64_t without = r.ranks[0].activation_peak_without_checkpointing;

@@ -23,13 +23,15 @@ std::string run_header(const Options& options, Strategy strategy, const ModelSiz
 // The report after a run (loss first/last, time, memory table with formulas, communication, sample).
 std::string run_report(const Options& options, const RunResult& result);
 
-// Expected bytes of a ledger category per rank for a strategy (DESIGN.md section 6), and the formula text.
-// Categories without a formula (activation, communication_buffer, other) give -1.
+// Expected bytes of a ledger category per rank for a strategy (DESIGN.md section 6), and the formula text; under
+// bf16 this implementation's formula (Note [mixed-precision memory in shardkit-train] in report.cc). Categories
+// without a formula (activation, communication_buffer, other) give -1.
 struct Expected {
   std::int64_t bytes = -1;
   std::string formula;
 };
-Expected expected_bytes(Strategy s, MemoryCategory c, std::int64_t num_params, int world, std::int64_t owned_numel);
+Expected expected_bytes(Strategy s, MemoryCategory c, std::int64_t num_params, int world, std::int64_t owned_numel,
+                        Precision precision = Precision::fp32);
 
 std::string compare_table(const std::vector<RunResult>& results);
 absl::Status write_compare_svg(const std::string& path, const std::vector<RunResult>& results);

@@ -16,6 +16,7 @@
 #include "common/comm/init_from_env.h"
 #include "common/nn/checkpoint.h"
 #include "common/nn/gpt.h"
+#include "common/nn/mixed_precision.h"
 #include "common/optim/adam.h"
 #include "common/optim/finite.h"
 #include "common/optim/lr_schedule.h"
@@ -38,6 +39,13 @@ namespace {
   do {                                         \
     if (absl::Status _st = (expr); !_st.ok()) return _st; \
   } while (0)
+
+// --precision bf16 (Note [mixed precision on f32 ops] in common/nn/mixed_precision.h): parameters with bf16 values
+// in forward and backward, gradients reduced in bf16, f32 master parameters and AdamW state.
+nn::MixedPrecisionPolicy mixed_precision(const Options& o) {
+  if (o.precision == Precision::fp32) return {};
+  return {.param_dtype = DType::bf16, .reduce_dtype = DType::bf16};
+}
 
 optim::HyperParams hyper(const Options& o) {
   optim::HyperParams h = optim::AdamW::default_hyper();
@@ -90,11 +98,11 @@ class DdpRunner : public Runner {
     if (!opt.ok()) return opt.status();
     std::unique_ptr<DdpRunner> r(new DdpRunner(model, *pg, o, std::move(*opt)));
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
-    if (o.precision == Precision::fp32) {
-      auto dp = sddp::DistributedDataParallel::create(model, pg);
-      if (!dp.ok()) return dp.status();
-      r->dp_ = std::move(*dp);
-    }
+    auto dp = sddp::DistributedDataParallel::create(model, pg, {.mixed_precision = mixed_precision(o)});
+    if (!dp.ok()) return dp.status();
+    r->dp_ = std::move(*dp);
+#else
+    if (o.precision == Precision::bf16) r->mp_ = std::make_unique<nn::MixedPrecisionHooks>(model, mixed_precision(o));
 #endif
     return std::unique_ptr<Runner>(std::move(r));
   }
@@ -128,6 +136,8 @@ class DdpRunner : public Runner {
   std::unique_ptr<optim::Optimizer> opt_;
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
   std::unique_ptr<sddp::DistributedDataParallel> dp_;
+#else
+  std::unique_ptr<nn::MixedPrecisionHooks> mp_;  // bf16: the forward on rounded parameters
 #endif
 };
 
@@ -135,20 +145,25 @@ class OssRunner : public Runner {
  public:
   static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
                                                         const Options& o, bool sharded) {
+    // No broadcast_dtype under bf16: it would round the owners' parameters too, and they are the f32 masters
+    // (the updated parameters are all-gathered in f32).
     oss::OssOptions oo{.policy = oss::PartitionPolicy::flat};
-    if (o.precision == Precision::bf16) oo.broadcast_dtype = DType::bf16;
     auto opt = oss::Oss::create({{model.parameters(), hyper(o)}}, optim::AdamW::factory(hyper(o)), pg, oo);
     if (!opt.ok()) return opt.status();
     std::unique_ptr<OssRunner> r(new OssRunner(model, pg, o, std::move(*opt)));
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
     if (sharded) {
-      auto dp = sddp::ShardedDataParallel::create(model, {r->opt_.get()}, pg);
+      auto dp = sddp::ShardedDataParallel::create(model, {r->opt_.get()}, pg, {.mixed_precision = mixed_precision(o)});
       if (!dp.ok()) return dp.status();
       r->dp_ = std::move(*dp);
     }
 #else
     if (sharded) return absl::UnimplementedError("strategy sddp is not built into this shardkit-train");
 #endif
+    // oss reduces by hand after backward (reduce_scatter_grads, in bf16 under bf16): only the forward needs hooks.
+    if (!sharded && o.precision == Precision::bf16) {
+      r->mp_ = std::make_unique<nn::MixedPrecisionHooks>(model, mixed_precision(o));
+    }
     return std::unique_ptr<Runner>(std::move(r));
   }
   absl::Status backward(const Tensor& loss) override {
@@ -221,6 +236,7 @@ class OssRunner : public Runner {
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
   std::unique_ptr<sddp::DataParallel> dp_;  // declared after opt_: destroyed first (it refers to opt_)
 #endif
+  std::unique_ptr<nn::MixedPrecisionHooks> mp_;  // oss under bf16: the forward on rounded parameters
 };
 
 #ifdef SHARDKIT_TRAIN_HAS_FSDP
@@ -230,13 +246,11 @@ class FsdpRunner : public Runner {
  public:
   static absl::StatusOr<std::unique_ptr<Runner>> create(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
                                                         const Options& o) {
-    if (o.precision != Precision::fp32) {
-      return absl::InvalidArgumentError("--strategy fsdp: expected --precision fp32 (bf16 communication is not there yet)");
-    }
+    const fsdp::FullyShardOptions fo{.mp_policy = mixed_precision(o)};
     for (nn::Module* block : fsdp::modules_of_type(model, "TransformerBlock")) {
-      if (auto unit = fsdp::fully_shard(*block, pg); !unit.ok()) return unit.status();
+      if (auto unit = fsdp::fully_shard(*block, pg, fo); !unit.ok()) return unit.status();
     }
-    auto root = fsdp::fully_shard(model, pg);
+    auto root = fsdp::fully_shard(model, pg, fo);
     if (!root.ok()) return root.status();
     auto opt = optim::AdamW::make({{model.parameters(), hyper(o)}}, hyper(o));
     if (!opt.ok()) return opt.status();

@@ -17,13 +17,17 @@
 //         slices during backward and full-size gradients are released (ZeRO-2).
 //   fsdp: fsdp::fully_shard on every transformer block, then the model (the root): parameters sharded too,
 //         gathered per unit around its forward and backward (ZeRO-3); checkpoints through fsdp/state_dict.h and
-//         unshard(), so they load into any strategy (fp32 only).
+//         unshard(), so they load into any strategy (also under --precision bf16: the masters are f32).
 // Without the sddp layer (an older tree) ddp / oss fall back to one all_reduce per gradient after
 // backward, and sddp is not offered.
-// --precision bf16: gradients are communicated in bf16 (ddp: one all_reduce per gradient after backward,
-// cast, reduce, cast back; oss: a bf16 flat buffer; sddp keeps its fp32 reduce-scatter) and OSS sends
-// parameters in bf16. Compute and the
-// stored parameters stay fp32 (the autograd ops are fp32-only), so the memory formulas are the fp32 ones.
+// --precision bf16: mixed precision for every strategy (Note [mixed precision on f32 ops] in
+// common/nn/mixed_precision.h): forward and backward compute with the parameters' values rounded to bf16, gradients
+// are reduced in bf16 and land f32, the parameters stay the f32 masters AdamW steps. ddp / sddp:
+// DataParallelOptions::mixed_precision {bf16, bf16}; oss: nn::MixedPrecisionHooks for the forward and a bf16 flat
+// buffer for its reduce-scatter; fsdp: FullyShardOptions::mp_policy {bf16, bf16} on every unit (the all-gathers
+// move bf16 too). OSS's all-gather of updated parameters stays f32 (OssOptions::broadcast_dtype would round the
+// owners' masters). The memory table prints this implementation's formulas next to DESIGN.md's mixed-precision
+// column (Note [mixed-precision memory in shardkit-train] in report.cc).
 //
 // --checkpoint-activations: nn::checkpoint_blocks on every rank's model before the runner wraps or shards it.
 //
