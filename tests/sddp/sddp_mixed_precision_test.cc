@@ -3,6 +3,7 @@
 // single-rank training with the same casts at N = 1, 2, 3, 4, 8; the reductions move half the bytes; the parameters
 // stay f32 masters; activation checkpointing changes nothing; a dtype that is not floating is refused.
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,8 @@ struct Trainer {
   std::unique_ptr<DataParallel> dp;
 
   static absl::StatusOr<Trainer> make(Mode mode, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
-                                      DataParallelOptions options) {
+                                      DataParallelOptions options,
+                                      std::optional<DType> broadcast_dtype = std::nullopt) {
     Trainer t;
     std::vector<optim::ParamGroup> groups{{model.parameters(), optim::AdamW::default_hyper()}};
     if (mode == Mode::ddp) {
@@ -58,6 +60,7 @@ struct Trainer {
       auto o = oss::Oss::create(groups, optim::AdamW::factory(), pg,
                                 {.policy = flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy,
                                  .bucket_bytes = 4096,
+                                 .broadcast_dtype = broadcast_dtype,
                                  .flat_chunk_numel = options.reduce_buffer_size});
       if (!o.ok()) return o.status();
       t.oss = std::move(*o);
@@ -81,8 +84,9 @@ struct Trainer {
   absl::Status step() { return plain ? plain->step() : oss->step(); }
 };
 
-absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, const DataParallelOptions& options) {
-  auto t = Trainer::make(mode, model, env.group_ptr, options);
+absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, const DataParallelOptions& options,
+                      std::optional<DType> broadcast_dtype = std::nullopt) {
+  auto t = Trainer::make(mode, model, env.group_ptr, options, broadcast_dtype);
   if (!t.ok()) return t.status();
   const int rows = kBatch / env.world_size;
   for (int step = 0; step < steps; ++step) {
@@ -95,14 +99,15 @@ absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, 
 }
 
 std::vector<std::vector<std::vector<float>>> Train(Mode mode, int world, int steps, const DataParallelOptions& options,
-                                                   bool checkpoint = false) {
+                                                   bool checkpoint = false,
+                                                   std::optional<DType> broadcast_dtype = std::nullopt) {
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
     if (checkpoint) {
       if (absl::Status s = nn::checkpoint_blocks(model); !s.ok()) return s;
     }
-    if (absl::Status s = RunSteps(mode, env, model, steps, options); !s.ok()) return s;
+    if (absl::Status s = RunSteps(mode, env, model, steps, options, broadcast_dtype); !s.ok()) return s;
     got[static_cast<std::size_t>(env.rank)] = Values(model);
     return absl::OkStatus();
   });
@@ -114,8 +119,9 @@ std::vector<std::vector<std::vector<float>>> Train(Mode mode, int world, int ste
 // by AdamW; each step a compute model gets the master's values rounded to bf16 (the inputs are tokens: nothing to
 // round), each rank's rows give an f32 gradient, which the reducer scales by 1/world in f32 and rounds to bf16 on
 // its way into the bucket; the backends sum the ranks' bf16 values in f32 in rank order and round once
-// (process_group.h); the master's gradient is that, f32.
-std::vector<std::vector<float>> Bf16Reference(int steps, int world) {
+// (process_group.h); the master's gradient is that, f32. `round_after_step`: the parameters are rounded to bf16
+// after each step (what OssOptions::broadcast_dtype bf16 does on every rank, the owner included).
+std::vector<std::vector<float>> Bf16Reference(int steps, int world, bool round_after_step = false) {
   RankContext ctx;
   RankContextScope scope(ctx);
   nn::GPT master(TinyConfig(), 1), compute(TinyConfig(), 1);
@@ -146,6 +152,9 @@ std::vector<std::vector<float>> Bf16Reference(int steps, int world) {
       mp[i].set_grad(Tensor::from_vector(sum[i], mp[i].shape()).to(DType::bf16).to(DType::f32));
     }
     EXPECT_TRUE((*opt)->step().ok());
+    if (round_after_step) {
+      for (const Tensor& p : mp) p.copy_(p.to(DType::bf16));
+    }
   }
   return Values(master);
 }
@@ -157,6 +166,21 @@ TEST(SddpMixedPrecision, Bf16EqualsSingleRankTrainingWithTheSameCasts) {
     for (const Mode mode : kModes) {
       SCOPED_TRACE(::testing::Message() << ModeName(mode) << " n=" << world);
       test_util::ExpectMatches(Train(mode, world, 20, {.reduce_buffer_size = 300, .mixed_precision = kBf16}), want, 0.0);
+    }
+  }
+}
+
+// With OSS sending parameters in bf16 (OssOptions::broadcast_dtype; every rank, the owner included, then holds them
+// rounded, so there is no f32 master left): equal to the reference that rounds the parameters after each step.
+TEST(SddpMixedPrecision, WithOssBroadcastDtypeBf16EqualsTheReferenceThatRoundsAfterEachStep) {
+  ASSERT_NE(Bf16Reference(10, 2, /*round_after_step=*/true), Bf16Reference(10, 2));  // the rounding shows
+  for (const int world : {2, 3, 4}) {
+    const auto want = Bf16Reference(10, world, /*round_after_step=*/true);
+    for (const Mode mode : {Mode::oss_ddp, Mode::sddp_greedy, Mode::sddp_flat}) {
+      SCOPED_TRACE(::testing::Message() << ModeName(mode) << " n=" << world);
+      test_util::ExpectMatches(Train(mode, world, 10, {.reduce_buffer_size = 300, .mixed_precision = kBf16},
+                                     /*checkpoint=*/false, DType::bf16),
+                               want, 0.0);
     }
   }
 }
