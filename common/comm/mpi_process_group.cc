@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "common/base/logging.h"
 #include "common/comm/completion_work.h"
+#include "common/comm/reduce_kernels.h"
 
 // Note [mpi progress engine]
 // MPI's state belongs to the process, and Open MPI makes progress only inside MPI calls. So one thread per
@@ -40,6 +41,15 @@
 // is recorded under the engine's mutex by whichever thread finds it; the engine then fails the queued calls,
 // sends the notice to every peer, and moves the started operation, with its tensors, to `orphans_`, polled until
 // MPI completes it (MPI cannot cancel a collective).
+//
+// Note [mpi reductions]
+// MPI's reductions combine values in an order of the implementation's choosing, and Open MPI's differs with the
+// message size and the rank count. The reducing calls here do not use them: each rank receives every rank's copy
+// of the segment it owns (MPI_Ialltoall / MPI_Ialltoallv: (n-1)/n of the tensor sent and received per rank, what
+// a ring reduce-scatter moves), reduces those copies in rank order with reduce_into (reduce_kernels.h: f32
+// accumulation, bf16 / f16 rounded once), and for all_reduce and reduce sends the reduced segments back out
+// (MPI_Iallgatherv / MPI_Igatherv). The arithmetic is the in-process backend's, so results are bit-identical to
+// it on every rank, at any size, for every op and dtype.
 //
 // Note [one engine per process]
 // The registry below (a weak reference to the live engine) is shardkit's one process-wide variable. It mirrors
@@ -114,95 +124,20 @@ std::string mpi_message(int code) {
   return std::string(buf, static_cast<std::size_t>(len));
 }
 
-// ---- bf16 / f16 reductions (Note: partial results rounded to the dtype at each combining step) ----
-
-template <typename T>
-float to_f32(T v) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    return bf16_to_f32(v);
-  } else {
-    return f16_to_f32(v);
+// Segment q of an all_reduce / reduce of `count` elements over n ranks: [q·seg, min(count, (q+1)·seg)), seg =
+// ceil(count / n) (trailing segments may be empty).
+struct Segments {
+  std::vector<int> counts, displs;  // per rank, in elements
+};
+Segments segments_of(std::int64_t count, int n) {
+  const std::int64_t seg = (count + n - 1) / n;
+  Segments s;
+  for (int q = 0; q < n; ++q) {
+    const std::int64_t lo = std::min(count, q * seg), hi = std::min(count, (q + 1) * seg);
+    s.counts.push_back(static_cast<int>(hi - lo));
+    s.displs.push_back(static_cast<int>(lo));
   }
-}
-template <typename T>
-T from_f32(float v) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    return f32_to_bf16(v);
-  } else {
-    return f32_to_f16(v);
-  }
-}
-
-template <typename T, ReduceKind K>
-void half_reduce(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    const float x = to_f32(a[i]), y = to_f32(b[i]);
-    float r = x + y;
-    if constexpr (K == ReduceKind::min) r = x < y ? x : y;
-    if constexpr (K == ReduceKind::max) r = x > y ? x : y;
-    b[i] = from_f32<T>(r);
-  }
-}
-
-// Scales `t` in place by the premul factor (f32 arithmetic, rounded to the dtype; i64: the integral factor,
-// wrapping).
-void premultiply(const Tensor& t, double factor) {
-  const std::int64_t n = t.numel();
-  switch (t.dtype()) {
-    case DType::f32: {
-      float* p = t.data<float>();
-      const auto f = static_cast<float>(factor);
-      for (std::int64_t i = 0; i < n; ++i) p[i] *= f;
-      break;
-    }
-    case DType::bf16:
-    case DType::f16: {
-      const auto f = static_cast<float>(factor);
-      if (t.dtype() == DType::bf16) {
-        bf16_t* p = t.data<bf16_t>();
-        for (std::int64_t i = 0; i < n; ++i) p[i] = f32_to_bf16(f * bf16_to_f32(p[i]));
-      } else {
-        f16_t* p = t.data<f16_t>();
-        for (std::int64_t i = 0; i < n; ++i) p[i] = f32_to_f16(f * f16_to_f32(p[i]));
-      }
-      break;
-    }
-    case DType::i64: {
-      auto* p = t.data<std::int64_t>();
-      const auto f = static_cast<std::uint64_t>(static_cast<std::int64_t>(factor));
-      for (std::int64_t i = 0; i < n; ++i) p[i] = static_cast<std::int64_t>(f * static_cast<std::uint64_t>(p[i]));
-      break;
-    }
-  }
-}
-
-// avg: the sum divided by the group size once (f32 division rounded to the dtype; i64 truncates).
-void divide_by(const Tensor& t, int n) {
-  const std::int64_t numel = t.numel();
-  switch (t.dtype()) {
-    case DType::f32: {
-      float* p = t.data<float>();
-      for (std::int64_t i = 0; i < numel; ++i) p[i] = p[i] / static_cast<float>(n);
-      break;
-    }
-    case DType::bf16: {
-      bf16_t* p = t.data<bf16_t>();
-      for (std::int64_t i = 0; i < numel; ++i) p[i] = f32_to_bf16(bf16_to_f32(p[i]) / static_cast<float>(n));
-      break;
-    }
-    case DType::f16: {
-      f16_t* p = t.data<f16_t>();
-      for (std::int64_t i = 0; i < numel; ++i) p[i] = f32_to_f16(f16_to_f32(p[i]) / static_cast<float>(n));
-      break;
-    }
-    case DType::i64: {
-      auto* p = t.data<std::int64_t>();
-      for (std::int64_t i = 0; i < numel; ++i) p[i] = p[i] / n;
-      break;
-    }
-  }
+  return s;
 }
 
 // FNV-1a of a sub-group key: the same tag on every member (std::hash and absl::Hash are not guaranteed to be).
@@ -217,14 +152,17 @@ struct Pending {
   std::shared_ptr<CompletionWork> work;
 };
 
-// A started call (engine thread only).
+// A started call (engine thread only). A call runs as up to three MPI operations, one after the other (Note
+// [mpi reductions]): the call description exchange, then the data movement, then for all_reduce / reduce the
+// redistribution of the reduced segments.
 struct Running {
   Pending p;
-  bool verifying = false;  // the call description exchange is in flight; the operation itself is next
+  enum class Phase { verify, exchange, redistribute } phase = Phase::exchange;
   MPI_Request req = MPI_REQUEST_NULL;
   CallDesc mine;
   std::vector<CallDesc> all;
-  Tensor scratch;  // reduce_scatter's output when it aliases the input
+  Tensor gathered;  // reducing calls: every rank's copy of this rank's segment, rank after rank
+  Segments seg;     // all_reduce / reduce
 };
 
 }  // namespace
@@ -291,10 +229,10 @@ class MpiEngine {
   bool progress_orphans();
   void start(MpiGroupState& g, Pending p);
   void start_operation(MpiGroupState& g, Running& r);
+  void start_redistribution(MpiGroupState& g, Running& r);
   void finish(MpiGroupState& g, Running& r, const MPI_Status& st);
   void send_notices(MpiGroupState& g, const absl::Status& failure);
   void release(MpiGroupState& g);
-  MPI_Op op_for(DType dt, ReduceKind k) const;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -307,7 +245,7 @@ class MpiEngine {
   std::vector<std::shared_ptr<MpiGroupState>> groups_;
   std::vector<Running> orphans_;
   bool owns_mpi_ = false;
-  std::array<MPI_Op, 6> half_ops_{};  // {bf16, f16} x {sum, min, max}
+  ReduceScratch reduce_scratch_{64 << 10};
   std::thread thread_;
 };
 
@@ -318,7 +256,16 @@ struct Registry {
   std::weak_ptr<MpiEngine> engine;
 };
 Registry& registry() {
-  static Registry r;  // Note [one engine per process]
+  static Registry r;  // Note [mpi reductions]
+// MPI's reductions combine values in an order of the implementation's choosing, and Open MPI's differs with the
+// message size and the rank count. The reducing calls here do not use them: each rank receives every rank's copy
+// of the segment it owns (MPI_Ialltoall / MPI_Ialltoallv: (n-1)/n of the tensor sent and received per rank, what
+// a ring reduce-scatter moves), reduces those copies in rank order with reduce_into (reduce_kernels.h: f32
+// accumulation, bf16 / f16 rounded once), and for all_reduce and reduce sends the reduced segments back out
+// (MPI_Iallgatherv / MPI_Igatherv). The arithmetic is the in-process backend's, so results are bit-identical to
+// it on every rank, at any size, for every op and dtype.
+//
+// Note [one engine per process]
   return r;
 }
 
@@ -380,16 +327,6 @@ absl::Status MpiEngine::init_mpi() {
           static_cast<int>(MPI_THREAD_MULTIPLE), "), or leave MPI's initialisation to shardkit"));
     }
   }
-  struct HalfOp {
-    MPI_User_function* fn;
-  };
-  const std::array<HalfOp, 6> fns = {{{&half_reduce<bf16_t, ReduceKind::sum>},
-                                      {&half_reduce<bf16_t, ReduceKind::min>},
-                                      {&half_reduce<bf16_t, ReduceKind::max>},
-                                      {&half_reduce<f16_t, ReduceKind::sum>},
-                                      {&half_reduce<f16_t, ReduceKind::min>},
-                                      {&half_reduce<f16_t, ReduceKind::max>}}};
-  for (std::size_t i = 0; i < fns.size(); ++i) MPI_Op_create(fns[i].fn, /*commute=*/1, &half_ops_[i]);
   return absl::OkStatus();
 }
 
@@ -405,17 +342,7 @@ void MpiEngine::shutdown_mpi() {
            "; the process should exit (Note [mpi failure] in mpi_process_group.h)");
     return;
   }
-  for (MPI_Op& op : half_ops_) MPI_Op_free(&op);
   if (owns_mpi_) MPI_Finalize();
-}
-
-MPI_Op MpiEngine::op_for(DType dt, ReduceKind k) const {
-  const std::size_t which = k == ReduceKind::min ? 1 : k == ReduceKind::max ? 2 : 0;
-  switch (dt) {
-    case DType::bf16: return half_ops_[which];
-    case DType::f16: return half_ops_[3 + which];
-    default: return which == 1 ? MPI_MIN : which == 2 ? MPI_MAX : MPI_SUM;
-  }
 }
 
 MPI_Datatype mpi_type(DType dt) {
@@ -638,23 +565,31 @@ bool MpiEngine::progress(MpiGroupState& g) {
       return progressed;
     }
     progressed = true;
-    if (r.verifying) {
-      r.verifying = false;
-      for (int i = 1; i < g.size; ++i) {
-        if (!same_call(r.all[0], r.all[static_cast<std::size_t>(i)])) {
-          // Every rank sees the same descriptions, so every rank fails with this message.
-          record(g,
-               absl::InvalidArgumentError(absl::StrCat(g.where(r.p.call), ": ranks disagree: ", g.rank_str(0),
-                                                       " issued ", describe_desc(r.all[0]), ", ", g.rank_str(i),
-                                                       " issued ", describe_desc(r.all[static_cast<std::size_t>(i)]))),
-               /*notify_peers=*/false);
-          return true;
+    switch (r.phase) {
+      case Running::Phase::verify:
+        for (int i = 1; i < g.size; ++i) {
+          if (!same_call(r.all[0], r.all[static_cast<std::size_t>(i)])) {
+            // Every rank sees the same descriptions, so every rank fails with this message.
+            record(g,
+                   absl::InvalidArgumentError(absl::StrCat(
+                       g.where(r.p.call), ": ranks disagree: ", g.rank_str(0), " issued ", describe_desc(r.all[0]),
+                       ", ", g.rank_str(i), " issued ", describe_desc(r.all[static_cast<std::size_t>(i)]))),
+                   /*notify_peers=*/false);
+            return true;
+          }
         }
-      }
-      start_operation(g, r);
-    } else {
-      finish(g, r, st);
-      g.running.reset();
+        start_operation(g, r);
+        break;
+      case Running::Phase::exchange:
+        if (r.p.call.kind == CollectiveKind::all_reduce || r.p.call.kind == CollectiveKind::reduce) {
+          start_redistribution(g, r);
+          break;
+        }
+        [[fallthrough]];
+      case Running::Phase::redistribute:
+        finish(g, r, st);
+        g.running.reset();
+        break;
     }
   }
   // The next call.
@@ -692,7 +627,7 @@ void MpiEngine::start(MpiGroupState& g, Pending p) {
   r.p = std::move(p);
   const bool p2p = r.p.call.kind == CollectiveKind::send || r.p.call.kind == CollectiveKind::recv;
   if (g.options.verify_calls && !p2p && g.size > 1) {
-    r.verifying = true;
+    r.phase = Running::Phase::verify;
     r.mine = describe_call(r.p.call);
     r.all.resize(static_cast<std::size_t>(g.size));
     if (int rc = MPI_Iallgather(&r.mine, sizeof(CallDesc), MPI_BYTE, r.all.data(), sizeof(CallDesc), MPI_BYTE,
@@ -706,38 +641,50 @@ void MpiEngine::start(MpiGroupState& g, Pending p) {
   start_operation(g, r);
 }
 
+// This rank's copy of each rank's segment, reduced in rank order into `dst` (Note [mpi reductions]).
+void reduce_gathered(const Running& r, int n, std::int64_t count, void* dst, ReduceScratch& scratch) {
+  const CollectiveCall& c = r.p.call;
+  const auto* base = static_cast<const char*>(r.gathered.raw_data());
+  const std::size_t stride = static_cast<std::size_t>(count) * c.input.element_size();
+  std::vector<const void*> srcs;
+  for (int q = 0; q < n; ++q) srcs.push_back(base + static_cast<std::size_t>(q) * stride);
+  void* const dsts[] = {dst};
+  reduce_into(c.input.dtype(), c.op, srcs, dsts, count, scratch);
+}
+
 void MpiEngine::start_operation(MpiGroupState& g, Running& r) {
+  r.phase = Running::Phase::exchange;
   const CollectiveCall& c = r.p.call;
   const MPI_Datatype type = c.kind == CollectiveKind::barrier ? MPI_BYTE : mpi_type(c.input.dtype());
   const int count = static_cast<int>(per_rank_numel(c));  // bounded by MpiProcessGroup::run
-  const MPI_Op op = reduces(c.kind) ? op_for(c.input.dtype(), c.op.kind) : MPI_OP_NULL;
-  if (reduces(c.kind) && c.op.kind == ReduceKind::premul_sum) premultiply(c.input, c.op.factor);
+  const TensorOptions same_dtype =
+      TensorOptions{}.with_dtype(c.kind == CollectiveKind::barrier ? DType::f32 : c.input.dtype());
   int rc = MPI_SUCCESS;
   switch (c.kind) {
     case CollectiveKind::broadcast:
       rc = MPI_Ibcast(c.input.raw_data(), count, type, c.root, g.data, &r.req);
       break;
     case CollectiveKind::all_reduce:
-      rc = MPI_Iallreduce(MPI_IN_PLACE, c.input.raw_data(), count, type, op, g.data, &r.req);
+    case CollectiveKind::reduce: {
+      // Every rank's copy of this rank's segment: send segment q to rank q.
+      r.seg = segments_of(count, g.size);
+      const int mine = r.seg.counts[static_cast<std::size_t>(g.rank)];
+      r.gathered = Tensor::empty({std::int64_t{mine} * g.size}, same_dtype);
+      std::vector<int> recv_counts(static_cast<std::size_t>(g.size), mine), recv_displs;
+      for (int q = 0; q < g.size; ++q) recv_displs.push_back(q * mine);
+      rc = MPI_Ialltoallv(c.input.raw_data(), r.seg.counts.data(), r.seg.displs.data(), type, r.gathered.raw_data(),
+                          recv_counts.data(), recv_displs.data(), type, g.data, &r.req);
       break;
-    case CollectiveKind::reduce:
-      rc = g.rank == c.root ? MPI_Ireduce(MPI_IN_PLACE, c.input.raw_data(), count, type, op, c.root, g.data, &r.req)
-                            : MPI_Ireduce(c.input.raw_data(), nullptr, count, type, op, c.root, g.data, &r.req);
+    }
+    case CollectiveKind::reduce_scatter:
+      r.gathered = Tensor::empty({std::int64_t{count} * g.size}, same_dtype);
+      rc = MPI_Ialltoall(c.input.raw_data(), count, type, r.gathered.raw_data(), count, type, g.data, &r.req);
       break;
     case CollectiveKind::all_gather: {
       const char* slot = static_cast<const char*>(c.output.raw_data()) +
                          static_cast<std::size_t>(g.rank) * static_cast<std::size_t>(count) * c.input.element_size();
       const void* send = c.input.raw_data() == slot && count > 0 ? MPI_IN_PLACE : c.input.raw_data();
       rc = MPI_Iallgather(send, count, type, c.output.raw_data(), count, type, g.data, &r.req);
-      break;
-    }
-    case CollectiveKind::reduce_scatter: {
-      const char* in = static_cast<const char*>(c.input.raw_data());
-      const char* out = static_cast<const char*>(c.output.raw_data());
-      const bool aliases = count > 0 && out >= in && out < in + c.input.nbytes();
-      if (aliases) r.scratch = Tensor::empty({c.output.numel()}, TensorOptions{}.with_dtype(c.output.dtype()));
-      rc = MPI_Ireduce_scatter_block(c.input.raw_data(), aliases ? r.scratch.raw_data() : c.output.raw_data(), count,
-                                     type, op, g.data, &r.req);
       break;
     }
     case CollectiveKind::barrier:
@@ -756,6 +703,31 @@ void MpiEngine::start_operation(MpiGroupState& g, Running& r) {
   }
 }
 
+void MpiEngine::start_redistribution(MpiGroupState& g, Running& r) {
+  r.phase = Running::Phase::redistribute;
+  const CollectiveCall& c = r.p.call;
+  const MPI_Datatype type = mpi_type(c.input.dtype());
+  const std::size_t me = static_cast<std::size_t>(g.rank);
+  char* segment = static_cast<char*>(c.input.raw_data()) +
+                  static_cast<std::size_t>(r.seg.displs[me]) * c.input.element_size();
+  reduce_gathered(r, g.size, r.seg.counts[me], segment, reduce_scratch_);
+  r.gathered = Tensor();
+  int rc;
+  if (c.kind == CollectiveKind::all_reduce) {
+    rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, type, c.input.raw_data(), r.seg.counts.data(), r.seg.displs.data(), type,
+                         g.data, &r.req);
+  } else if (g.rank == c.root) {
+    rc = MPI_Igatherv(MPI_IN_PLACE, 0, type, c.input.raw_data(), r.seg.counts.data(), r.seg.displs.data(), type,
+                      c.root, g.data, &r.req);
+  } else {
+    rc = MPI_Igatherv(segment, r.seg.counts[me], type, nullptr, nullptr, nullptr, type, c.root, g.data, &r.req);
+  }
+  if (rc != MPI_SUCCESS) {
+    r.req = MPI_REQUEST_NULL;
+    record(g, absl::InternalError(absl::StrCat(g.where(c), ": MPI failed: ", mpi_message(rc))), true);
+  }
+}
+
 void MpiEngine::finish(MpiGroupState& g, Running& r, const MPI_Status& st) {
   const CollectiveCall& c = r.p.call;
   if (c.kind == CollectiveKind::recv) {
@@ -763,15 +735,14 @@ void MpiEngine::finish(MpiGroupState& g, Running& r, const MPI_Status& st) {
     MPI_Get_count(&st, mpi_type(c.input.dtype()), &got);
     if (got != c.input.numel()) {
       record(g,
-           absl::InvalidArgumentError(absl::StrCat(g.where(c), ": expected ", c.input.numel(), " elements from ",
-                                                   g.rank_str(c.peer), ", found ", got)),
-           true);
+             absl::InvalidArgumentError(absl::StrCat(g.where(c), ": expected ", c.input.numel(), " elements from ",
+                                                     g.rank_str(c.peer), ", found ", got)),
+             true);
       return;
     }
   }
-  if (r.scratch.defined()) c.output.copy_(r.scratch);
-  if (reduces(c.kind) && c.op.kind == ReduceKind::avg && (c.kind != CollectiveKind::reduce || g.rank == c.root)) {
-    divide_by(c.output, g.size);
+  if (c.kind == CollectiveKind::reduce_scatter) {
+    reduce_gathered(r, g.size, c.output.numel(), c.output.raw_data(), reduce_scratch_);
   }
   r.p.work->complete(absl::OkStatus());
 }

@@ -16,10 +16,11 @@
 // handing MPI mismatched buffers (which MPI does not detect). A recv whose message has another size fails with
 // InvalidArgument. Tensors must be CPU tensors with at most 2^31 - 1 elements per rank (MPI's int counts).
 //
-// Dtypes: f32 and i64 with MPI's own reductions; bf16 / f16 with shardkit's MPI operations, which combine two
-// values in f32 and round to the dtype at each step (partial sums are rounded, as a ring's are: process_group.h
-// allows it). premul_sum scales each rank's input in place before the sum (for bf16 / f16 the scaled value is
-// rounded to the dtype); avg divides the sum once, after it.
+// Reductions (Note [mpi reductions] in mpi_process_group.cc): every rank receives every rank's copy of the segment
+// it owns (all-to-all), reduces them in rank order with the in-process backend's arithmetic (f32 accumulation,
+// bf16 / f16 rounded once), and all_reduce / reduce send the reduced segments back out. Results are therefore
+// bit-identical to the in-process backend's, for every dtype (f32, bf16, f16, i64) and op, at any rank count; each
+// rank sends and receives (n-1)/n of the tensor per phase, as a ring would.
 //
 // Failure (Note [mpi failure]): what MPI can and cannot abort.
 //   * A call whose deadline passes fails with DeadlineExceeded on that rank (MPI cannot say which rank did not
@@ -61,7 +62,7 @@ struct MpiOptions {
   std::string name = "world";
   // How long the communication thread keeps polling MPI without sleeping after its last progress (MPI
   // progresses only inside its calls); then it sleeps 50 us between polls.
-  absl::Duration spin = absl::Microseconds(200);
+  absl::Duration spin = absl::Milliseconds(2);
   // Exchange call descriptions before each collective (see Checks above). false saves one small collective per
   // call; ranks that disagree then hand MPI mismatched buffers (undefined behaviour).
   bool verify_calls = true;
