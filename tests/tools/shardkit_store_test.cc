@@ -34,6 +34,19 @@ using ::testing::HasSubstr;
 
 const std::string kStore = SHARDKIT_STORE_PATH;
 
+// Whether this build (and so shardkit-store, built with the same flags) runs under the sanitizers.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitizerBuild = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(undefined_behavior_sanitizer)
+constexpr bool kSanitizerBuild = true;
+#else
+constexpr bool kSanitizerBuild = false;
+#endif
+#else
+constexpr bool kSanitizerBuild = false;
+#endif
+
 // A running shardkit-store (its own process group; SIGKILLed on destruction) and the port it printed.
 class RunningStore {
  public:
@@ -188,6 +201,11 @@ TEST(ShardkitStore, UnauthenticatedLargePrefixesKeepTheServerSmall) {
 // one wall-clock wait here measures, it does not synchronise), and once the connections go, a client with
 // the token is served.
 TEST(ShardkitStore, OutOfFileDescriptorsDoesNotSpinAndRecovers) {
+  if (kSanitizerBuild) {
+    // The sanitizer runtime needs descriptors of its own: UBSan's vptr check probes memory through a pipe,
+    // fails to open one, and reports a false "invalid vptr" that aborts the server.
+    GTEST_SKIP() << "a process with no file descriptors left cannot run under the sanitizers";
+  }
   constexpr int kMaxFiles = 64;
   RunningStore store("job-secret", kMaxFiles);
   ASSERT_GT(store.port(), 0);
