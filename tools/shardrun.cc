@@ -91,10 +91,10 @@ struct Stream {
       if (nl != nullptr) {
         take = static_cast<std::size_t>(nl - data) + 1;
         append_line(out, data, take - 1);
-      } else if (n >= room) {
-        take = room;  // the line reached kMaxLineBytes: forward this piece as a line of its own
+      } else if (n > room) {
+        take = room;  // the line passed kMaxLineBytes: forward this piece as a line of its own
         append_line(out, data, take);
-      } else {
+      } else {  // (pending may now hold exactly kMaxLineBytes: a newline next still ends that line)
         pending.append(data, n);
         break;
       }
@@ -106,7 +106,7 @@ struct Stream {
   void flush() {
     if (pending.empty()) return;
     std::string out;
-    append_line(out, nullptr, 0);
+    append_line(out, "", 0);
     write_all(out_fd, out.data(), out.size());
   }
 

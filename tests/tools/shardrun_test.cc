@@ -187,6 +187,15 @@ TEST(Shardrun, OutputWithoutNewlinesIsForwardedIntactInBoundedPieces) {
                                  << std::mismatch(r.out.begin(), r.out.end(), expected.begin()).first - r.out.begin();
 }
 
+// A line of exactly 64 KiB is one line, however the pipe splits it: no empty piece after it.
+TEST(Shardrun, ALineOfExactlyTheCapIsOneLine) {
+  auto r = run_command({kShardrun, "--nproc", "1", "--", kChild, "nonewline", std::to_string(64 << 10), "end"}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string line;
+  for (int i = 0; i < (64 << 10); ++i) line += static_cast<char>('a' + i % 26);
+  EXPECT_TRUE(r.out == "[rank 0] " + line + "\n[rank 0] end\n") << r.out.size() << " bytes";
+}
+
 // Each job gets its own random token, the same on every rank, 64 hex digits.
 TEST(Shardrun, GivesEveryJobItsOwnStoreToken) {
   std::set<std::string> tokens;

@@ -4,7 +4,8 @@
 //   stubborn DIR            ignore SIGTERM, write DIR/pid.<rank>, pause (rank 0 exits 3 once all are ready)
 //   grandchild DIR          fork a child that pauses, write both pids to DIR; rank 0 exits 1 once all are ready
 //   hang DIR                write DIR/pid.<rank>, pause
-//   nonewline BYTES         write BYTES bytes of 'a'..'z' (repeating) to stdout without a newline; exit 0
+//   nonewline BYTES [end]   write BYTES bytes of 'a'..'z' (repeating) to stdout without a newline (then, with
+//                           "end", a newline and "end\n"); exit 0
 //   token                   print "TOKEN=<SHARDKIT_STORE_TOKEN>" or "TOKEN unset"; exit 0
 //   store DIR               rank 0 hosts a TcpStore on MASTER_ADDR:MASTER_PORT (token from the environment) and
 //                           writes DIR/token (its token) then DIR/port once every rank has connected; every
@@ -87,6 +88,7 @@ int main(int argc, char** argv) {
       if (std::fwrite(piece.data(), 1, n, stdout) != n) return 92;
       written += static_cast<long long>(n);
     }
+    if (argc > 3 && std::string(argv[3]) == "end") std::fputs("\nend\n", stdout);
     return 0;
   }
   const std::string dir = argv[argc - 1];
