@@ -67,17 +67,30 @@ int main(int argc, char** argv) {
     std::fputs(st::usage().c_str(), stdout);
     return 0;
   }
-  const bool under_launcher = std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
-  const bool is_rank0 = !under_launcher || std::string(std::getenv("RANK")) == "0";
-  if (o.compare && under_launcher) return fail(absl::InvalidArgumentError("--compare runs ranks as threads; start it without shardrun"));
+  // A launcher's rank variables (Note [launchers] in common/comm/init_from_env.cc); Slurm's only inside a step.
+  const auto [rank_var, size_var] =
+      std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr ? std::pair{"RANK", "WORLD_SIZE"}
+      : std::getenv("OMPI_COMM_WORLD_RANK") != nullptr ? std::pair{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}
+      : std::getenv("SLURM_PROCID") != nullptr && std::getenv("SLURM_STEP_ID") != nullptr
+          ? std::pair{"SLURM_PROCID", "SLURM_NTASKS"}
+          : std::pair<const char*, const char*>{nullptr, nullptr};
+  const bool under_launcher = rank_var != nullptr;
+  const bool is_rank0 = !under_launcher || std::string(std::getenv(rank_var)) == "0";
+  if (o.compare && under_launcher) return fail(absl::InvalidArgumentError("--compare runs ranks as threads; start it without a launcher"));
+  if (o.backend == st::Backend::mpi && std::getenv("OMPI_COMM_WORLD_RANK") == nullptr) {
+    return fail(absl::InvalidArgumentError(
+        "--backend mpi: expected to be started by mpirun (mpirun -np 4 shardkit-train --backend mpi), found "
+        "OMPI_COMM_WORLD_RANK unset"));
+  }
   if (o.compare && (!o.checkpoint_dir.empty() || o.resume || !o.export_path.empty())) {
     return fail(absl::InvalidArgumentError("--compare does not take --checkpoint-dir, --resume or --export"));
   }
   if (under_launcher) {
     // Range-checked (std::atoi of an out-of-range value is undefined): batch x context x ranks must not overflow.
-    if (!absl::SimpleAtoi(std::getenv("WORLD_SIZE"), &o.ranks) || o.ranks < 1) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat("expected WORLD_SIZE a number of ranks in [1, 2147483647], found '", std::getenv("WORLD_SIZE"), "'")));
+    const char* size = std::getenv(size_var);
+    if (size == nullptr || !absl::SimpleAtoi(size, &o.ranks) || o.ranks < 1) {
+      return fail(absl::InvalidArgumentError(absl::StrCat("expected ", size_var, " a number of ranks in [1, 2147483647], found ",
+                                                          size == nullptr ? std::string("it unset") : absl::StrCat("'", size, "'"))));
     }
   }
 
@@ -128,7 +141,7 @@ int main(int argc, char** argv) {
   }
 
   if (is_rank0) {
-    std::printf("%s", st::run_header(o, o.strategy, *model, *corpus, o.ranks, under_launcher ? "processes, TCP" : "threads").c_str());
+    std::printf("%s", st::run_header(o, o.strategy, *model, *corpus, o.ranks, !under_launcher ? "threads" : o.backend == st::Backend::mpi ? "processes, MPI" : "processes, TCP").c_str());
     if (resume) std::printf("  resuming from %s at step %s\n", st::checkpoint_path(o.checkpoint_dir).c_str(), resume->meta["step"].c_str());
     if (init) std::printf("  initialised from %s (GPT-2 names)\n", o.init_from.c_str());
     std::fflush(stdout);

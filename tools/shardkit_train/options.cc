@@ -180,6 +180,12 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       if (*v == "fp32") o.precision = Precision::fp32;
       else if (*v == "bf16") o.precision = Precision::bf16;
       else return bad(flag, "fp32 or bf16", *v);
+    } else if (flag == "--backend") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      if (*v == "tcp") o.backend = Backend::tcp;
+      else if (*v == "mpi") o.backend = Backend::mpi;
+      else return bad(flag, "tcp or mpi", *v);
     } else if (flag == "--seed") {
       st = int_flag(o.seed, 0, "a seed >= 0");
     } else if (flag == "--data") {
@@ -244,6 +250,8 @@ std::string usage() {
       "  --precision fp32|bf16   bf16: mixed precision for every strategy: forward and backward on the parameters'\n"
       "                          values rounded to bf16 (f32 arithmetic on CPU), gradients reduced in bf16 (fsdp:\n"
       "                          all-gathers too), f32 master parameters and AdamW state (default fp32)\n"
+      "  --backend tcp|mpi       process ranks only: tcp (default; shardrun, or mpirun / srun with the store at\n"
+      "                          MASTER_ADDR) or mpi (under mpirun: mpirun -np 4 shardkit-train --backend mpi)\n"
       "  --seed N                model init and data order (default 1)\n"
       "  --data FILE             train on FILE's bytes instead of the embedded corpus\n"
       "  --checkpoint-dir DIR    write DIR/checkpoint.skck every --checkpoint-every steps (default 50) and at the end\n"

@@ -17,6 +17,9 @@ namespace shardkit::train {
 
 enum class Strategy { ddp, oss, sddp, fsdp };
 enum class Precision { fp32, bf16 };
+// How process ranks talk (ignored for threads): TCP through the store that init_from_env connects (shardrun,
+// torchrun-style variables, mpirun / Slurm with MASTER_ADDR defaults), or MPI (under mpirun).
+enum class Backend { tcp, mpi };
 
 std::string strategy_name(Strategy s);
 // The strategies this build has (sddp / fsdp only when those layers are built).
@@ -66,6 +69,7 @@ struct Options {
   std::int64_t batch = 4;     // sequences per rank per step, in [1, kMaxBatch]
   double lr = 3e-3;
   Precision precision = Precision::fp32;
+  Backend backend = Backend::tcp;  // --backend tcp|mpi
   std::uint64_t seed = 1;
   std::string data;           // empty: the embedded corpus
   std::string checkpoint_dir; // empty: no checkpoints

@@ -14,6 +14,7 @@
 #include "common/autograd/grad_mode.h"
 #include "common/comm/run_ranks.h"
 #include "common/comm/init_from_env.h"
+#include "common/comm/mpi_process_group.h"
 #include "common/nn/checkpoint.h"
 #include "common/nn/gpt.h"
 #include "common/nn/mixed_precision.h"
@@ -657,7 +658,7 @@ absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const
 absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy strategy, const Corpus& corpus,
                                                      const Checkpoint* resume, const StepObserver& observe,
                                                      const nn::StateDict* init) {
-  auto pg = comm::init_from_env();
+  auto pg = o.backend == Backend::mpi ? comm::create_mpi_world() : comm::init_from_env();
   if (!pg.ok()) return pg.status();
   RankContext& ctx = current_rank_context();
   ctx.rank = (*pg)->rank();

@@ -1,0 +1,58 @@
+// shardkit-train under mpirun with --backend mpi: every strategy at 4 processes ends with the final loss and
+// the parameter digest of --ranks 4 threads (the MPI backend reduces with the in-process arithmetic, Note [mpi
+// reductions]); --backend mpi without mpirun is a clear error. Label mpi.
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/tools/subprocess.h"
+
+namespace shardkit {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr double kDeadline = 240;
+
+// The value after `key` on the last line that starts with it.
+std::string Field(const std::string& out, const std::string& key) {
+  const auto at = out.rfind("\n" + key);
+  if (at == std::string::npos) return "";
+  const auto start = at + 1 + key.size();
+  return out.substr(start, out.find('\n', start) - start);
+}
+
+TEST(ShardkitTrainMpi, FourMpiProcessesEqualFourThreadsBitwise) {
+  for (const std::string strategy : {"ddp", "oss", "sddp", "fsdp"}) {
+    SCOPED_TRACE(strategy);
+    const std::vector<std::string> args = {"--strategy", strategy, "--steps", "12", "--model", "tiny", "--sample", "0"};
+    std::vector<std::string> mpi = {MPIEXEC_PATH, "-np", "4", "--oversubscribe", "--bind-to", "none",
+                                    SHARDKIT_TRAIN_PATH, "--backend", "mpi"};
+    mpi.insert(mpi.end(), args.begin(), args.end());
+    const auto over_mpi = testing::run_command(
+        mpi, kDeadline, {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}});
+    ASSERT_EQ(over_mpi.exit_code, 0) << over_mpi.out << over_mpi.err;
+    std::vector<std::string> threads = {SHARDKIT_TRAIN_PATH, "--ranks", "4"};
+    threads.insert(threads.end(), args.begin(), args.end());
+    const auto in_process = testing::run_command(threads, kDeadline);
+    ASSERT_EQ(in_process.exit_code, 0) << in_process.err;
+    EXPECT_THAT(over_mpi.out, HasSubstr("on 4 ranks (processes, MPI)"));
+    EXPECT_EQ(Field(over_mpi.out, "final loss: "), Field(in_process.out, "final loss: "));
+    const std::string digest = Field(in_process.out, "parameter digest: ");
+    EXPECT_FALSE(digest.empty()) << in_process.out;
+    EXPECT_EQ(Field(over_mpi.out, "parameter digest: "), digest);
+  }
+}
+
+TEST(ShardkitTrainMpi, BackendMpiWithoutMpirunIsAnError) {
+  const auto r = testing::run_command({SHARDKIT_TRAIN_PATH, "--backend", "mpi", "--steps", "1"}, kDeadline);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--backend mpi: expected to be started by mpirun"));
+  const auto bad = testing::run_command({SHARDKIT_TRAIN_PATH, "--backend", "gloo"}, kDeadline);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.err, HasSubstr("tcp or mpi"));
+}
+
+}  // namespace
+}  // namespace shardkit
