@@ -48,8 +48,8 @@ struct TcpStoreServerOptions {
   std::size_t max_frame_bytes = tcp_store_protocol::kDefaultMaxFrameBytes;
   // A frame (or the handshake) that has started must complete within this time.
   absl::Duration frame_timeout = absl::Seconds(10);
-  // Open connections at once, in total and from one peer address (IP, any port). A job of N local ranks
-  // uses about N to 2N connections from one address.
+  // Open connections at once, in total and from one peer address (IP, any port). Each rank's TcpStore
+  // holds one connection plus one per call it has blocked concurrently, all from its host's address.
   int max_connections = 8192;
   int max_connections_per_address = 2048;
   // Wait before accepting again after accept() failed (out of file descriptors, ...).
@@ -77,7 +77,8 @@ class TcpStoreServer {
   // A connection's frame or reply buffer larger than this is released once its frame or reply is done.
   static constexpr std::size_t kRetainedBufferBytes = 64u << 10;
 
-  // Binds and starts serving. Fails (Unavailable) when the address cannot be bound.
+  // Binds and starts serving. Fails (Unavailable) when the address cannot be bound, InvalidArgument when a
+  // connection limit is below 1.
   static absl::StatusOr<std::unique_ptr<TcpStoreServer>> start(TcpStoreServerOptions options);
   ~TcpStoreServer();
   TcpStoreServer(const TcpStoreServer&) = delete;
