@@ -2,10 +2,15 @@
 // one or many hosts (DESIGN.md section 2, issue 4 item 4). Bootstrapped through a Store (normally a
 // TcpStore, see init_from_env.h).
 //
-// Topology: a full mesh, one TCP connection per pair of ranks (a pair's connection carries both
-// directions; point-to-point and collectives share it, ordered by the contract in process_group.h).
+// Parts (gloo's split, DESIGN.md section 2):
+//   rendezvous  tcp_rendezvous.h: addresses through the store, then a full mesh, one TCP connection per pair
+//               of ranks (a pair's connection carries both directions; point-to-point and collectives share it,
+//               ordered by the contract in process_group.h)
+//   transport   transport.h / tcp_transport.h: each connection is a Pair that moves byte chunks
+//   algorithms  ring_plan.h: which chunks each rank sends to whom and receives from whom, run over the pairs by
+//               stream_runner.h (Note [chunk pipeline]: chunks are forwarded as soon as they have arrived)
 //
-// Algorithms (Note [tcp ring pipeline] in tcp_process_group.cc):
+// Algorithms (Note [ring plans] in ring_plan.cc):
 //   all_reduce      ring reduce-scatter then ring all-gather, each step split into chunks of chunk_bytes
 //                   and pipelined: a chunk is forwarded as soon as it has arrived (and been reduced)
 //   reduce_scatter  ring reduce-scatter on the input (the input is used as scratch, as the contract allows)
@@ -19,17 +24,17 @@
 //                   otherwise both sends wait for each other until the deadline (an error, never a hang).
 // bf16 / f16 partial sums are computed in f32 and rounded to the tensor dtype at every hop (the
 // contract allows it); every rank ends with bit-identical results (the all-gather copies bytes).
-// Every call starts with a 32-byte header to the peers it sends to (kind, dtype, op, root, seq, numel):
-// ranks that disagree fail with InvalidArgument naming both calls instead of exchanging garbage.
+// Every call starts with a 32-byte header to the peers it sends to (call_header.h: kind, dtype, op, root, seq,
+// numel): ranks that disagree fail with InvalidArgument naming both calls instead of exchanging garbage.
 //
 // Asynchrony: calls are queued to one communication thread per group and return at once; Work completes
 // from that thread, so compute overlaps communication.
 // Failure: a peer that closes its connection (process died, SIGKILL, abort) or misses the call's deadline
 // fails the call on every rank within the deadline, naming the peer rank and the operation; the group is
-// then aborted (Note [group failure]): its sockets are shut down so the other ranks notice at once, and the
+// then aborted (Note [group failure]): its connections are shut down so the other ranks notice at once, and the
 // reason is posted to the store under "<store_prefix>/<generation>/abort" so ranks further away quote the origin.
 // Recovery: create a new group (every rank calls create() again, with the same store and prefix if wanted;
-// each creation uses keys of its own, Note [group generations] in tcp_process_group.cc).
+// each creation uses keys of its own, Note [group generations] in tcp_rendezvous.cc).
 //
 // Thread-safety: as ProcessGroup. Destruction fails pending calls (Aborted) and joins the thread.
 #pragma once
@@ -51,7 +56,7 @@
 #include "common/comm/completion_work.h"
 #include "common/comm/process_group.h"
 #include "common/comm/store.h"
-#include "common/comm/tcp_socket.h"
+#include "common/comm/transport.h"
 
 namespace shardkit::comm {
 
@@ -94,8 +99,6 @@ class TcpProcessGroup final : public ProcessGroup {
   using AfterDequeueHook = std::function<void(const std::function<void()>& wait_for_destruction)>;
   void set_testing_after_dequeue(AfterDequeueHook hook);
 
-  struct Impl;  // implementation detail, public only for the .cc's helpers
-
  protected:
   std::shared_ptr<Work> run(CollectiveCall call) override;
   absl::StatusOr<std::shared_ptr<ProcessGroup>> make_subgroup(std::vector<int> members, const std::string& key,
@@ -108,18 +111,19 @@ class TcpProcessGroup final : public ProcessGroup {
   absl::Status connect_mesh(absl::Time deadline);
   void comm_loop();
   absl::Status execute(const CollectiveCall& call);
-  // Shuts every socket down (wakes the comm thread and tells the peers).
-  void shutdown_sockets();
+  // Shuts every connection down (wakes the comm thread and tells the peers).
+  void shutdown_pairs();
   // Records `reason` as the group's failure (first wins) and posts it to the store.
   absl::Status fail_group(const absl::Status& reason, bool post);
   std::string progress_note() const;
 
   std::shared_ptr<Store> store_;
   TcpProcessGroupOptions options_;
-  std::vector<tcp::Socket> peers_;          // by group rank; peers_[rank()] invalid
+  std::vector<std::unique_ptr<Pair>> peers_;  // by group rank; peers_[rank()] null
   std::vector<std::int64_t> sends_to_;      // p2p sequence numbers per peer (comm thread only)
   std::vector<std::int64_t> recvs_from_;
-  std::unique_ptr<Impl> impl_;              // scratch + stream state (comm thread only)
+  struct Impl;
+  std::unique_ptr<Impl> impl_;              // scratch buffers (comm thread only)
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

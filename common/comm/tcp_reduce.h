@@ -1,4 +1,5 @@
-// Elementwise reduction kernels of the TCP backend's ring / chain algorithms (tcp_process_group.cc).
+// Elementwise reduction kernels of the process backends' ring / chain algorithms (stream_runner.cc,
+// tcp_process_group.cc).
 //
 // combine(out, a, b): out[i] = a[i] (op) b[i] (out may alias a) for sum / min / max, computed in f32 for bf16 / f16 (and
 // rounded back, round-to-nearest-even), exactly for i64. When divide_by > 0 the result is then divided by it

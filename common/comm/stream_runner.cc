@@ -1,0 +1,219 @@
+#include "common/comm/stream_runner.h"
+
+#include <poll.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/comm/tcp_reduce.h"
+
+namespace shardkit::comm {
+
+// Note [chunk pipeline]
+// Every call is described as two byte streams on this rank: what it sends to one peer and what it receives
+// from one peer, each a list of chunks (the plan, Note [ring plans] in ring_plan.cc, led by the call header).
+// A received chunk is either copied straight into place or received into a chunk-sized scratch buffer and
+// reduced into place. A send chunk may depend on a received chunk ("ready once recv chunk k is done"), which
+// pipelines the steps of a ring or chain. One loop drives both streams with non-blocking try_send / try_recv;
+// when neither can move it does other useful work (the local copy), busy-polls briefly (DESIGN.md section 9:
+// a blocking wake-up costs ~50 us in this VM) and then blocks in poll(2) until the call's deadline.
+
+Streams streams_for_plan(const ChunkPlan& plan, char* base, std::size_t elem, const CallHeader* out, CallHeader* in) {
+  Streams s;
+  const bool send_header = plan.send_peer >= 0 && out != nullptr;
+  const bool recv_header = plan.recv_peer >= 0 && in != nullptr;
+  const std::int64_t shift = recv_header ? 1 : 0;
+  s.sends.reserve(plan.sends.size() + 1);
+  s.recvs.reserve(plan.recvs.size() + 1);
+  if (send_header) s.sends.push_back({reinterpret_cast<const char*>(out), sizeof(CallHeader), -1});
+  if (recv_header) {
+    s.recvs.push_back({reinterpret_cast<char*>(in), sizeof(CallHeader), StreamRecvMode::kHeader, false, nullptr});
+  }
+  for (const PlannedSend& c : plan.sends) {
+    s.sends.push_back({base + static_cast<std::size_t>(c.offset) * elem, static_cast<std::size_t>(c.count) * elem,
+                       c.after_recv < 0 ? -1 : c.after_recv + shift});
+  }
+  for (const PlannedRecv& c : plan.recvs) {
+    s.recvs.push_back({base + static_cast<std::size_t>(c.offset) * elem, static_cast<std::size_t>(c.count) * elem,
+                       c.mode == PlanRecvMode::kReduce ? StreamRecvMode::kReduce : StreamRecvMode::kCopy, c.finalize,
+                       nullptr});
+  }
+  return s;
+}
+
+bool StreamRunner::copy_some(std::size_t max_bytes) {
+  if (copy_left == 0) return false;
+  const std::size_t k = std::min(copy_left, max_bytes);
+  std::memcpy(copy_dst, copy_src, k);
+  copy_dst += k;
+  copy_src += k;
+  copy_left -= k;
+  return true;
+}
+
+absl::Status StreamRunner::run(const Streams& streams) {
+  const std::vector<StreamSend>& sends = streams.sends;
+  const std::vector<StreamRecv>& recvs = streams.recvs;
+  for (const auto& c : sends) send_total_ += c.bytes;
+  for (const auto& c : recvs) recv_total_ += c.bytes;
+  const int send_fd = send_pair ? send_pair->poll_fd() : -1;
+  const int recv_fd = recv_pair ? recv_pair->poll_fd() : -1;
+  const bool pollable = (send_pair == nullptr || send_fd >= 0) && (recv_pair == nullptr || recv_fd >= 0);
+  std::size_t si = 0, soff = 0, ri = 0, roff = 0;
+  std::int64_t recv_done = 0;  // number of completed recv chunks
+  absl::Time spin_until = absl::InfiniteFuture();
+  while (si < sends.size() || ri < recvs.size()) {
+    bool progress = false;
+    // Send as much as the pair takes of ready chunks.
+    while (si < sends.size() && sends[si].after_recv < recv_done) {
+      const StreamSend& c = sends[si];
+      if (c.bytes == 0) {
+        ++si;
+        continue;
+      }
+      const absl::StatusOr<std::size_t> k = send_pair->try_send(c.data + soff, c.bytes - soff);
+      if (!k.ok()) return lost(send_peer, "sending", k.status());
+      if (*k == 0) break;
+      progress = true;
+      soff += *k;
+      sent_bytes_ += *k;
+      if (soff == c.bytes) {
+        ++si;
+        soff = 0;
+      }
+    }
+    // Receive.
+    while (ri < recvs.size()) {
+      const StreamRecv& c = recvs[ri];
+      if (c.bytes == 0) {
+        ++ri;
+        ++recv_done;
+        continue;
+      }
+      char* dst = c.mode == StreamRecvMode::kReduce ? scratch : c.dst;
+      const absl::StatusOr<std::size_t> k = recv_pair->try_recv(dst + roff, c.bytes - roff);
+      if (!k.ok()) return lost(recv_peer, "receiving", k.status());
+      if (*k == 0) break;
+      progress = true;
+      roff += *k;
+      recv_bytes_ += *k;
+      if (roff == c.bytes) {
+        if (c.mode == StreamRecvMode::kReduce) {
+          tcp_reduce::combine(c.out ? c.out : c.dst, c.dst, scratch, c.bytes / dtype_size(dtype), dtype, kind,
+                              c.finalize ? divide_by : 0);
+        } else if (c.mode == StreamRecvMode::kHeader) {
+          if (auto st = check_header(*reinterpret_cast<const CallHeader*>(c.dst)); !st.ok()) return st;
+        }
+        ++ri;
+        ++recv_done;
+        roff = 0;
+      }
+    }
+    if (si >= sends.size() && ri >= recvs.size()) break;
+    if (progress) {
+      spin_until = absl::InfiniteFuture();
+      continue;
+    }
+    if (copy_some(256 << 10)) continue;  // useful work instead of waiting
+    const absl::Time now = absl::Now();
+    if (now >= deadline) return timed_out(si < sends.size(), ri < recvs.size());
+    if (spin_until == absl::InfiniteFuture()) spin_until = now + spin;
+    if (now < spin_until || !pollable) {
+      // Busy-poll a little before sleeping (DESIGN.md section 9); yield so that, when ranks outnumber
+      // cores, the rank we wait for gets the CPU.
+      sched_yield();
+      continue;
+    }
+    pollfd p[2];
+    nfds_t np = 0;
+    const bool want_send = si < sends.size() && sends[si].after_recv < recv_done;
+    const bool want_recv = ri < recvs.size();
+    if (send_fd == recv_fd) {
+      p[np++] = pollfd{send_fd, static_cast<short>((want_send ? POLLOUT : 0) | (want_recv ? POLLIN : 0) | POLLRDHUP), 0};
+    } else {
+      if (send_fd >= 0) p[np++] = pollfd{send_fd, static_cast<short>((want_send ? POLLOUT : 0) | POLLRDHUP), 0};
+      if (recv_fd >= 0) p[np++] = pollfd{recv_fd, static_cast<short>((want_recv ? POLLIN : 0) | POLLRDHUP), 0};
+    }
+    const std::int64_t ms = std::clamp<std::int64_t>(absl::ToInt64Milliseconds(deadline - now) + 1, 0, 100);
+    const int rc = ::poll(p, np, static_cast<int>(ms));
+    if (rc < 0 && errno != EINTR) {
+      return lost(recv_peer >= 0 ? recv_peer : send_peer, "polling", absl::UnavailableError(std::strerror(errno)));
+    }
+    for (nfds_t i = 0; rc > 0 && i < np; ++i) {
+      // A hang-up on the send side only (we are not receiving from it) is an error now; on the recv side
+      // try_recv above reports it (after draining what is buffered).
+      const bool send_side_only = p[i].fd == send_fd && p[i].fd != recv_fd;
+      if (send_side_only && want_send && (p[i].revents & (POLLERR | POLLHUP))) {
+        return lost(send_peer, "sending", absl::UnavailableError(std::strerror(ECONNRESET)));
+      }
+      if (send_side_only && !want_send && si < sends.size() && (p[i].revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+        return lost(send_peer, "sending", absl::UnavailableError(std::strerror(ECONNRESET)));
+      }
+    }
+    spin_until = absl::InfiniteFuture();
+  }
+  copy_some(copy_left);
+  return absl::OkStatus();
+}
+
+absl::Status StreamRunner::check_header(const CallHeader& got) const {
+  if (std::memcmp(&got, expected, sizeof(CallHeader)) == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ranks disagree: expected rank ", recv_peer, " to issue ",
+                                                 describe_call_header(*expected), " as this rank does, found ",
+                                                 describe_call_header(got)));
+}
+
+absl::Status StreamRunner::lost(int peer, const char* doing, const absl::Status& why) const {
+  return absl::UnavailableError(absl::StrCat(what, ": connection to rank ", peer, " lost while ", doing, " (",
+                                             why.message(), "; sent ", sent_bytes_, " of ", send_total_,
+                                             " bytes, received ", recv_bytes_, " of ", recv_total_, ")",
+                                             closed_peers()));
+}
+
+// "; peers whose connections had closed: rank 0, rank 2": the neighbour that closed may only be echoing a failure
+// elsewhere (it aborted), so every peer that hung up is named (a dead rank's connections all close).
+// Waits up to 50 ms for the hang-ups to arrive: a dead process's sockets close one by one, and the echo
+// of an abort can overtake them. Pairs without a poll_fd are not named.
+std::string StreamRunner::closed_peers() const {
+  std::vector<pollfd> open;
+  std::vector<int> open_ranks, closed;
+  for (std::size_t i = 0; i < all_pairs.size(); ++i) {
+    if (all_pairs[i] == nullptr || all_pairs[i]->poll_fd() < 0) continue;
+    open.push_back(pollfd{all_pairs[i]->poll_fd(), POLLRDHUP, 0});
+    open_ranks.push_back(static_cast<int>(i));
+  }
+  const absl::Time until = absl::Now() + absl::Milliseconds(50);
+  while (!open.empty()) {
+    const std::int64_t ms = absl::ToInt64Milliseconds(until - absl::Now());
+    if (ms <= 0 || ::poll(open.data(), open.size(), static_cast<int>(ms)) <= 0) break;
+    for (std::size_t i = open.size(); i-- > 0;) {
+      if (open[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+        closed.push_back(open_ranks[i]);
+        open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
+        open_ranks.erase(open_ranks.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        open[i].revents = 0;
+      }
+    }
+  }
+  if (closed.empty()) return "";
+  std::sort(closed.begin(), closed.end());
+  return absl::StrCat("; peers whose connections had closed: ",
+                      absl::StrJoin(closed, ", ", [](std::string* out, int r) { absl::StrAppend(out, "rank ", r); }));
+}
+
+absl::Status StreamRunner::timed_out(bool sending, bool receiving) const {
+  std::string who;
+  if (receiving) absl::StrAppend(&who, "rank ", recv_peer, " (received ", recv_bytes_, " of ", recv_total_, " bytes)");
+  if (sending) {
+    absl::StrAppend(&who, who.empty() ? "" : " and ", "rank ", send_peer, " (sent ", sent_bytes_, " of ", send_total_,
+                    " bytes)");
+  }
+  return absl::DeadlineExceededError(absl::StrCat(what, ": deadline exceeded waiting for ", who));
+}
+
+}  // namespace shardkit::comm
