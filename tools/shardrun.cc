@@ -1,9 +1,17 @@
 // shardrun: start N local ranks of a program with the torchrun-style environment (DESIGN.md section 2).
 //
 //   shardrun --nproc N [--master-addr A] [--master-port P] [--grace-seconds S] -- PROGRAM ARGS...
+//   shardrun --nnodes M --node-rank K --nproc N --master-addr A --master-port P -- PROGRAM ARGS...   (one per host)
 //
-// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Without
-// --master-port (or with 0) shardrun asks the kernel for a free port. Every line a rank writes to stdout /
+// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR,
+// MASTER_PORT. Without --master-port (or with 0) shardrun asks the kernel for a free port.
+//
+// Note [several hosts]: torchrun's static rendezvous. Start one shardrun per host with the same --nnodes M,
+// --nproc N, --master-addr (an address of node 0's host, which rank 0 binds for the store) and --master-port, and
+// its own --node-rank K; node K's local rank r is global rank K·N + r of M·N. There is no free-port pick and no
+// per-job token across hosts: --master-port is required, and SHARDKIT_STORE_TOKEN must be set to one value on
+// every host (or to empty for no token, on a trusted network), since a token made up by each shardrun would not
+// match. Every line a rank writes to stdout /
 // stderr is forwarded to shardrun's stdout / stderr prefixed with "[rank R] "; a line longer than
 // kMaxLineBytes (64 KiB) is forwarded in pieces of that size, each on its own prefixed line, so output
 // without newlines costs linear time and bounded memory (a partial line at a rank's exit gets a newline).
@@ -55,7 +63,9 @@ void on_signal(int sig) {
 void usage() {
   std::fprintf(stderr,
                "usage: shardrun --nproc N [--master-addr A] [--master-port P] [--grace-seconds S] "
-               "-- PROGRAM ARGS...\n");
+               "-- PROGRAM ARGS...\n"
+               "       shardrun --nnodes M --node-rank K --nproc N --master-addr A --master-port P [--grace-seconds S] "
+               "-- PROGRAM ARGS...   (one per host)\n");
 }
 
 void write_all(int fd, const char* p, std::size_t n) {
@@ -187,6 +197,9 @@ bool parse_int(const char* s, long lo, long hi, long& out) {
 
 int main(int argc, char** argv) {
   long nproc = -1;
+  long nnodes = 1;
+  long node_rank = -1;
+  bool addr_given = false;
   long port = 0;
   double grace_seconds = 5.0;
   std::string addr = "127.0.0.1";
@@ -216,8 +229,21 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "shardrun: --master-port: expected an integer in [0, 65535], found '%s'\n", v);
         return 2;
       }
+    } else if (a == "--nnodes") {
+      const char* v = value("--nnodes");
+      if (!parse_int(v, 1, 1024, nnodes)) {
+        std::fprintf(stderr, "shardrun: --nnodes: expected an integer in [1, 1024], found '%s'\n", v);
+        return 2;
+      }
+    } else if (a == "--node-rank" || a == "--node_rank") {
+      const char* v = value("--node-rank");
+      if (!parse_int(v, 0, 1023, node_rank)) {
+        std::fprintf(stderr, "shardrun: --node-rank: expected an integer in [0, 1023], found '%s'\n", v);
+        return 2;
+      }
     } else if (a == "--master-addr") {
       addr = value("--master-addr");
+      addr_given = true;
     } else if (a == "--grace-seconds") {
       const char* v = value("--grace-seconds");
       char* end = nullptr;
@@ -229,7 +255,9 @@ int main(int argc, char** argv) {
     } else if (a == "-h" || a == "--help") {
       usage();
       std::fprintf(stderr,
-                   "Starts N local ranks with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT\n"
+                   "Starts N local ranks with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
+                   "MASTER_PORT. Several hosts: one shardrun per host with --nnodes, --node-rank, --master-addr (node 0's\n"
+                   "address), --master-port, and SHARDKIT_STORE_TOKEN set alike on every host.\n"
                    "and SHARDKIT_STORE_TOKEN (a random token per job; set it yourself to choose one, e.g. to share\n"
                    "it with a standalone shardkit-store). Output lines are prefixed with \"[rank R] \".\n");
       return 0;
@@ -243,6 +271,30 @@ int main(int argc, char** argv) {
     usage();
     return 2;
   }
+  // Note [several hosts]: what every host must agree on has to be given, not picked.
+  if (node_rank < 0) node_rank = nnodes == 1 ? 0 : -1;
+  if (nnodes > 1) {
+    if (node_rank < 0 || node_rank >= nnodes) {
+      std::fprintf(stderr, "shardrun: --nnodes %ld: expected --node-rank in [0, %ld), found %s\n", nnodes, nnodes,
+                   node_rank < 0 ? "none" : std::to_string(node_rank).c_str());
+      return 2;
+    }
+    if (!addr_given || port == 0) {
+      std::fprintf(stderr, "shardrun: --nnodes %ld: expected --master-addr (node 0's address) and --master-port, the "
+                           "same on every node, found %s\n", nnodes, !addr_given ? "no --master-addr" : "no --master-port");
+      return 2;
+    }
+    if (std::getenv("SHARDKIT_STORE_TOKEN") == nullptr) {
+      std::fprintf(stderr, "shardrun: --nnodes %ld: expected SHARDKIT_STORE_TOKEN set to the same value on every node "
+                           "(e.g. export SHARDKIT_STORE_TOKEN=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')), "
+                           "or set empty for no token; found it unset\n", nnodes);
+      return 2;
+    }
+  } else if (node_rank != 0) {
+    std::fprintf(stderr, "shardrun: expected --node-rank 0 with one node, found %ld\n", node_rank);
+    return 2;
+  }
+  const long world = nnodes * nproc;
   if (port == 0) {
     const int p = pick_free_port(addr);
     if (p <= 0) {
@@ -300,10 +352,11 @@ int main(int argc, char** argv) {
       for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
       ::dup2(out[1], 1);
       ::dup2(err[1], 2);
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("RANK", std::to_string(node_rank * nproc + r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("GROUP_RANK", std::to_string(node_rank).c_str(), 1);
       ::setenv("MASTER_ADDR", addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       ::execvp(argv[i], argv + i);
@@ -315,7 +368,7 @@ int main(int argc, char** argv) {
     ::close(out[1]);
     ::close(err[1]);
     ranks[static_cast<std::size_t>(r)] = Rank{pid, true, 0};
-    const std::string prefix = "[rank " + std::to_string(r) + "] ";
+    const std::string prefix = "[rank " + std::to_string(node_rank * nproc + r) + "] ";
     streams.push_back(Stream{out[0], 1, prefix, {}});
     streams.push_back(Stream{err[0], 2, prefix, {}});
   }
