@@ -42,7 +42,7 @@ absl::Status DataParallel::init() {
     before_forward();
     return std::nullopt;
   });
-  if (options_.mixed_precision.enabled()) {
+  if (options_.mixed_precision.param_dtype || options_.mixed_precision.output_dtype) {  // reduce_dtype: the reducer's
     mixed_precision_ = std::make_unique<nn::MixedPrecisionHooks>(module_, options_.mixed_precision);
   }
   return absl::OkStatus();

@@ -59,7 +59,6 @@ struct MixedPrecisionPolicy {
 
   DType compute_dtype() const { return param_dtype.value_or(DType::f32); }
   DType reduce_in() const { return reduce_dtype.value_or(compute_dtype()); }
-  bool enabled() const { return param_dtype.has_value() || reduce_dtype.has_value() || output_dtype.has_value(); }
 };
 
 // OK when every dtype set in `policy` is floating (f32, bf16, f16); otherwise InvalidArgument naming `who` and the
