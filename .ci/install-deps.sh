@@ -6,7 +6,7 @@ PKGS=(
   build-essential cmake ninja-build ccache pkg-config
   libabsl-dev libboost-dev libboost-system-dev libopenblas-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  nlohmann-json3-dev
+  nlohmann-json3-dev libxxhash-dev
   libopenmpi-dev openmpi-bin
 )
 # pip, for the interop tests' Python packages below, when the python3 on PATH has none.

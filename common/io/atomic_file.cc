@@ -109,6 +109,11 @@ absl::Status AtomicFileWriter::write(absl::Span<const std::byte> bytes) {
   return absl::OkStatus();
 }
 
+absl::Status AtomicFileWriter::flush() {
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat("flush of '", path_, "' after it was finished"));
+  return flush_buffer();
+}
+
 absl::Status AtomicFileWriter::write(std::string_view text) {
   return write(absl::Span<const std::byte>(reinterpret_cast<const std::byte*>(text.data()), text.size()));
 }

@@ -37,6 +37,9 @@ class AtomicFileWriter {
   // Appends bytes (buffered). ResourceExhausted / FailedPrecondition with the reason (disk full, ...).
   absl::Status write(absl::Span<const std::byte> bytes);
   absl::Status write(std::string_view text);
+  // Hands the buffered bytes to the kernel (no fsync): after it, they are in the temporary file even if the
+  // process is killed. Errors as write().
+  absl::Status flush();
 
   // Flushes, fsyncs, renames over the destination and fsyncs its directory. The writer is finished
   // afterwards whatever the outcome (on error the temporary file is removed and `path` is unchanged).
