@@ -2,6 +2,8 @@
 //
 //   shardrun --nproc N [--master-addr A] [--master-port P] [--grace-seconds S] -- PROGRAM ARGS...
 //   shardrun --nnodes M --node-rank K --nproc N --master-addr A --master-port P -- PROGRAM ARGS...   (one per host)
+//   [--timeout S] [--heartbeat-window S]: every collective's deadline and the watchdog's window, handed to the
+//   ranks as SHARDKIT_TIMEOUT / SHARDKIT_HEARTBEAT_WINDOW (init_from_env, common/comm/watchdog.h)
 //
 // Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR,
 // MASTER_PORT. Without --master-port (or with 0) shardrun asks the kernel for a free port.
@@ -244,6 +246,17 @@ int main(int argc, char** argv) {
     } else if (a == "--master-addr") {
       addr = value("--master-addr");
       addr_given = true;
+    } else if (a == "--timeout" || a == "--heartbeat-window") {
+      // Passed to the ranks as SHARDKIT_TIMEOUT / SHARDKIT_HEARTBEAT_WINDOW (init_from_env reads them).
+      const char* v = value(a.c_str());
+      char* end = nullptr;
+      const double seconds = std::strtod(v, &end);
+      if (end == v || *end != '\0' || !(seconds >= 0) || seconds > 86400 || (a == "--timeout" && seconds == 0)) {
+        std::fprintf(stderr, "shardrun: %s: expected a number of seconds in (0, 86400]%s, found '%s'\n", a.c_str(),
+                     a == "--timeout" ? "" : " (0: no watchdog)", v);
+        return 2;
+      }
+      ::setenv(a == "--timeout" ? "SHARDKIT_TIMEOUT" : "SHARDKIT_HEARTBEAT_WINDOW", v, 1);
     } else if (a == "--grace-seconds") {
       const char* v = value("--grace-seconds");
       char* end = nullptr;
@@ -258,6 +271,8 @@ int main(int argc, char** argv) {
                    "Starts N local ranks with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
                    "MASTER_PORT. Several hosts: one shardrun per host with --nnodes, --node-rank, --master-addr (node 0's\n"
                    "address), --master-port, and SHARDKIT_STORE_TOKEN set alike on every host.\n"
+                   "--timeout S sets every collective's deadline (SHARDKIT_TIMEOUT; default 5 minutes) and\n"
+                   "--heartbeat-window S how soon a stopped rank is named (SHARDKIT_HEARTBEAT_WINDOW; default 10, 0: off).\n"
                    "and SHARDKIT_STORE_TOKEN (a random token per job; set it yourself to choose one, e.g. to share\n"
                    "it with a standalone shardkit-store). Output lines are prefixed with \"[rank R] \".\n");
       return 0;

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "absl/status/status.h"
@@ -157,9 +158,44 @@ void init_rank_context(const ProcessRankEnv& env, const RankContextOptions& opti
   set_rank(ctx, env.rank, env.world_size, options.seed, options.streams);
 }
 
+namespace {
+
+// SHARDKIT_TIMEOUT / SHARDKIT_HEARTBEAT_WINDOW: a number of seconds in [lo, 1 day], or unset.
+absl::StatusOr<std::optional<absl::Duration>> seconds_from_env(const char* name, double lo) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::optional<absl::Duration>();
+  double s = 0;
+  if (!absl::SimpleAtod(v, &s) || !(s >= lo) || s > 86400) {
+    return bad(name, absl::StrCat("a number of seconds in [", lo, ", 86400]"), v);
+  }
+  return std::optional<absl::Duration>(absl::Seconds(s));
+}
+
+// The group and what must live exactly as long as it (its watchdog), behind one shared_ptr.
+struct GroupWithWatchdog {
+  std::shared_ptr<ProcessGroup> group;
+  std::unique_ptr<Watchdog> watchdog;  // declared last: destroyed first, so it stops watching before the group goes
+};
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions options) {
   auto env = read_rank_env();
   if (!env.ok()) return env.status();
+  auto timeout = seconds_from_env("SHARDKIT_TIMEOUT", 0.001);
+  if (!timeout.ok()) return timeout.status();
+  if (*timeout) options.group.default_timeout = **timeout;
+  auto window = seconds_from_env("SHARDKIT_HEARTBEAT_WINDOW", 0);
+  if (!window.ok()) return window.status();
+  if (*window) {
+    if (**window == absl::ZeroDuration()) {
+      options.watchdog.reset();
+    } else {
+      if (!options.watchdog) options.watchdog = WatchdogOptions{};
+      options.watchdog->window = **window;
+      options.watchdog->interval = std::min(options.watchdog->interval, **window / 4);
+    }
+  }
   TcpStoreOptions so;
   so.host = env->master_addr;
   so.port = env->master_port;
@@ -177,10 +213,18 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
   if (go.listen_host.empty()) {
     go.listen_host = is_loopback(env->master_addr) ? "127.0.0.1" : route_source_address(env->master_addr, env->master_port);
   }
-  auto pg = TcpProcessGroup::create(std::shared_ptr<Store>(std::move(*store)), env->rank, env->world_size, go);
+  std::shared_ptr<Store> shared_store(std::move(*store));
+  auto pg = TcpProcessGroup::create(shared_store, env->rank, env->world_size, go);
   if (!pg.ok()) return pg.status();
   if (options.rank_context.install) init_rank_context(*env, options.rank_context, current_rank_context());
-  return std::shared_ptr<ProcessGroup>(std::move(*pg));
+  std::shared_ptr<ProcessGroup> group(std::move(*pg));
+  if (!options.watchdog || env->world_size == 1) return group;
+  WatchdogOptions wo = *options.watchdog;
+  wo.prefix = absl::StrCat(go.store_prefix, "/watchdog");
+  auto dog = Watchdog::start(shared_store, group, env->rank, env->world_size, wo);
+  if (!dog.ok()) return dog.status();
+  auto both = std::make_shared<GroupWithWatchdog>(GroupWithWatchdog{group, std::move(*dog)});
+  return std::shared_ptr<ProcessGroup>(both, both->group.get());
 }
 
 }  // namespace shardkit::comm

@@ -15,6 +15,9 @@
 // context (rank 0 of 1); to run one as this rank, install a RankContextScope on it for a context of its own
 // set up with init_rank_context (a Generator is not thread-safe: do not share one between threads).
 //
+// SHARDKIT_TIMEOUT=<seconds> (as shardrun --timeout sets it) replaces options.group.default_timeout, the deadline
+// of every collective; SHARDKIT_HEARTBEAT_WINDOW=<seconds> the watchdog's window (0 turns it off).
+//
 // Errors: InvalidArgument naming the variable, e.g. "expected environment variable RANK to be an integer in
 // [0, WORLD_SIZE=4), found '7'" or "... found it unset"; the store's and group's own errors otherwise.
 // Thread-safety: reads the environment; call it once per process, before starting threads that setenv.
@@ -23,12 +26,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/comm/process_group.h"
 #include "common/comm/tcp_process_group.h"
+#include "common/comm/watchdog.h"
 #include "common/tensor/rank_context.h"
 
 namespace shardkit::comm {
@@ -80,6 +85,9 @@ struct InitFromEnvOptions {
   bool host_store = true;
   std::string store_token;  // empty: SHARDKIT_STORE_TOKEN if set
   RankContextOptions rank_context;
+  // The group's heartbeat watchdog (watchdog.h), kept alive with the returned group; empty: none. The
+  // environment overrides: SHARDKIT_HEARTBEAT_WINDOW=<seconds> sets the window (0: no watchdog).
+  std::optional<WatchdogOptions> watchdog = WatchdogOptions{.interval = absl::Seconds(1), .window = absl::Seconds(10)};
 };
 
 absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions options = {});

@@ -1,0 +1,131 @@
+// Watchdog (Note [heartbeats] in common/comm/watchdog.h) and monitored_barrier, with in-process ranks sharing a
+// HashStore: a rank that stops beating is named by every other rank long before the collective deadline; ranks
+// that keep beating are never blamed; monitored_barrier names every rank that did not arrive.
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "common/comm/hash_store.h"
+#include "common/comm/in_process_group.h"
+#include "common/comm/watchdog.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardkit::comm {
+namespace {
+
+using ::testing::HasSubstr;
+
+const WatchdogOptions kFast{.interval = absl::Milliseconds(50), .window = absl::Milliseconds(500)};
+
+TEST(Watchdog, AStalledRankIsNamedByEveryOtherRankBeforeTheDeadline) {
+  for (int n : {2, 3}) {
+    SCOPED_TRACE(n);
+    auto store = std::make_shared<HashStore>();
+    auto world = InProcessWorld::create(n, {.default_timeout = absl::Seconds(120)});
+    std::vector<std::shared_ptr<ProcessGroup>> groups;
+    std::vector<std::unique_ptr<Watchdog>> dogs;
+    for (int r = 0; r < n; ++r) {
+      groups.push_back(world->group(r));
+      auto d = Watchdog::start(store, groups.back(), r, n, kFast);
+      ASSERT_TRUE(d.ok()) << d.status();
+      dogs.push_back(std::move(*d));
+    }
+    // Everyone beats once, then rank 1 stops (as SIGSTOP would stop its process) and never joins.
+    std::vector<std::shared_ptr<Work>> joined;
+    for (int r = 0; r < n; ++r) joined.push_back(groups[r]->barrier());
+    for (auto& w : joined) ASSERT_TRUE(w->wait().ok());
+    dogs[1]->pause_heartbeat_for_testing();
+    std::vector<absl::Status> got(static_cast<std::size_t>(n));
+    std::vector<double> seconds(static_cast<std::size_t>(n));
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < n; ++r) {
+      if (r == 1) continue;
+      ranks.emplace_back([&, r] {
+        const absl::Time start = absl::Now();
+        Tensor t = Tensor::full({16}, 1.0);
+        got[static_cast<std::size_t>(r)] = groups[r]->all_reduce(t)->wait();
+        seconds[static_cast<std::size_t>(r)] = absl::ToDoubleSeconds(absl::Now() - start);
+      });
+    }
+    for (auto& t : ranks) t.join();
+    for (int r = 0; r < n; ++r) {
+      if (r == 1) continue;
+      const absl::Status& st = got[static_cast<std::size_t>(r)];
+      EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+      EXPECT_THAT(st.message(), HasSubstr("watchdog: rank 1 stopped: no heartbeat for 500ms (pid "));
+      EXPECT_LT(seconds[static_cast<std::size_t>(r)], 60.0);  // the collective deadline is 120 s
+      EXPECT_THAT(dogs[static_cast<std::size_t>(r)]->status().message(), HasSubstr("rank 1 stopped"));
+    }
+  }
+}
+
+TEST(Watchdog, RanksThatKeepBeatingAreNeverBlamed) {
+  const int n = 3;
+  auto store = std::make_shared<HashStore>();
+  auto world = InProcessWorld::create(n);
+  std::vector<std::shared_ptr<ProcessGroup>> groups;
+  std::vector<std::unique_ptr<Watchdog>> dogs;
+  for (int r = 0; r < n; ++r) {
+    groups.push_back(world->group(r));
+    dogs.push_back(*Watchdog::start(store, groups.back(), r, n, kFast));
+  }
+  // Collectives for four windows: every watchdog keeps seeing every counter move.
+  std::vector<std::thread> ranks;
+  std::vector<absl::Status> got(n);
+  for (int r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] {
+      const absl::Time until = absl::Now() + 4 * kFast.window;
+      int calls = 0;
+      Tensor t = Tensor::full({16}, 1.0);
+      // Rank 0 decides when to stop (broadcast), so every rank issues the same calls.
+      for (;;) {
+        Tensor go = Tensor::full({1}, r == 0 && absl::Now() < until ? 1.0 : 0.0);
+        if (absl::Status s = groups[r]->broadcast(go)->wait(); !s.ok()) {
+          got[r] = s;
+          return;
+        }
+        if (go.item_at(0) == 0.0) break;
+        got[r] = groups[r]->all_reduce(t)->wait();
+        if (!got[r].ok()) return;
+        ++calls;
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(got[r].ok()) << got[r];
+    EXPECT_TRUE(dogs[r]->status().ok()) << dogs[r]->status();
+  }
+}
+
+TEST(Watchdog, RejectsAWindowThatOneLateBeatWouldCross) {
+  auto d = Watchdog::start(std::make_shared<HashStore>(), std::weak_ptr<ProcessGroup>(), 0, 2,
+                           {.interval = absl::Seconds(1), .window = absl::Seconds(2)});
+  ASSERT_FALSE(d.ok());
+  EXPECT_THAT(d.status().message(), HasSubstr("expected interval > 0 and window > 2 x interval, found interval 1s and "
+                                              "window 2s"));
+}
+
+TEST(MonitoredBarrier, NamesEveryRankThatDidNotArrive) {
+  HashStore store;
+  std::vector<absl::Status> got(4);
+  std::vector<std::thread> ranks;
+  for (int r : {0, 1}) {
+    ranks.emplace_back([&, r] { got[r] = monitored_barrier(store, r, 4, "epoch3", absl::Milliseconds(300)); });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r : {0, 1}) {
+    EXPECT_EQ(got[r].code(), absl::StatusCode::kDeadlineExceeded) << got[r];
+    EXPECT_THAT(got[r].message(), HasSubstr("monitored_barrier 'epoch3': ranks 2, 3 of 4 did not arrive within 300ms"));
+  }
+  ranks.clear();
+  for (int r = 0; r < 4; ++r) {
+    ranks.emplace_back([&, r] { got[r] = monitored_barrier(store, r, 4, "epoch4", absl::Seconds(60)); });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(got[r].ok()) << got[r];
+}
+
+}  // namespace
+}  // namespace shardkit::comm
