@@ -7,7 +7,8 @@
 //   build/tools/shardrun --nproc 2 -- build/tools/shardkit-train --strategy oss --steps 20   # over TCP
 //
 // Bad input (unknown option or value, missing/empty data file, unwritable checkpoint directory or --export
-// path, a checkpoint of another model, an --init-from file of another shape) prints one line
+// path, a checkpoint directory in use by another run or holding a checkpoint without --resume / --overwrite,
+// a checkpoint of another model, an --init-from file of another shape) prints one line
 // "shardkit-train: error: ..." on stderr and exits 1.
 #include <unistd.h>
 
@@ -82,8 +83,8 @@ int main(int argc, char** argv) {
         "--backend mpi: expected to be started by mpirun (mpirun -np 4 shardkit-train --backend mpi), found "
         "OMPI_COMM_WORLD_RANK unset"));
   }
-  if (o.compare && (!o.checkpoint_dir.empty() || o.resume || !o.export_path.empty())) {
-    return fail(absl::InvalidArgumentError("--compare does not take --checkpoint-dir, --resume or --export"));
+  if (o.compare && (!o.checkpoint_dir.empty() || o.resume || o.overwrite || !o.export_path.empty())) {
+    return fail(absl::InvalidArgumentError("--compare does not take --checkpoint-dir, --resume, --overwrite or --export"));
   }
   if (under_launcher) {
     // Range-checked (std::atoi of an out-of-range value is undefined): batch x context x ranks must not overflow.
@@ -99,11 +100,16 @@ int main(int argc, char** argv) {
   auto corpus = st::load_corpus(o.data, model->config.context);
   if (!corpus.ok()) return fail(corpus.status());
   std::optional<st::Checkpoint> resume;
-  if (!o.checkpoint_dir.empty()) {
-    if (absl::Status s = st::ensure_writable_dir(o.checkpoint_dir); !s.ok()) return fail(s);
+  // Rank 0 holds the directory's lock until it exits (Note [checkpoint format] in checkpoint.h); the other
+  // processes of the run write their rank files into the directory rank 0 prepared.
+  std::optional<shardkit::io::DirectoryLock> checkpoint_lock;
+  if (!o.checkpoint_dir.empty() && is_rank0) {
+    auto lock = st::open_dir(o);
+    if (!lock.ok()) return fail(lock.status());
+    checkpoint_lock.emplace(std::move(*lock));
   }
   if (o.resume) {
-    auto ck = st::read_checkpoint(st::checkpoint_path(o.checkpoint_dir));
+    auto ck = st::read_checkpoint(o.checkpoint_dir);
     if (!ck.ok()) return fail(ck.status());
     if (absl::Status s = st::check_resumable(*ck, o, *model, *corpus); !s.ok()) return fail(s);
     resume = std::move(*ck);

@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 
 namespace shardkit::train {
@@ -202,6 +203,19 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       st = int_flag(o.checkpoint_every, 1, "a number of steps >= 1");
     } else if (flag == "--resume") {
       o.resume = true;
+    } else if (flag == "--overwrite") {
+      o.overwrite = true;
+    } else if (flag == "--test-checkpoint-consolidated") {
+      o.checkpoint_consolidated = true;
+    } else if (flag == "--test-kill-checkpoint-write") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      const std::size_t colon = v->find(':');
+      o.kill_checkpoint_file = v->substr(0, colon);
+      if (colon == std::string::npos || (o.kill_checkpoint_file != "shard" && o.kill_checkpoint_file != "manifest") ||
+          !absl::SimpleAtoi(v->substr(colon + 1), &o.kill_checkpoint_bytes) || o.kill_checkpoint_bytes < 0) {
+        return bad(flag, "shard:BYTES or manifest:BYTES", *v);
+      }
     } else if (flag == "--compare") {
       o.compare = true;
     } else if (flag == "--checkpoint-activations") {
@@ -222,6 +236,9 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
   if (auto m = model_size(o.model, o.shape); !m.ok()) return m.status();
   if (o.resume && o.checkpoint_dir.empty()) {
     return absl::InvalidArgumentError("expected --checkpoint-dir with --resume, found none");
+  }
+  if (o.resume && o.overwrite) {
+    return absl::InvalidArgumentError("expected --resume or --overwrite, found both");
   }
   if (o.resume && !o.init_from.empty()) {
     return absl::InvalidArgumentError("expected --init-from or --resume, found both (a checkpoint holds the weights)");
@@ -254,8 +271,11 @@ std::string usage() {
       "                          MASTER_ADDR) or mpi (under mpirun: mpirun -np 4 shardkit-train --backend mpi)\n"
       "  --seed N                model init and data order (default 1)\n"
       "  --data FILE             train on FILE's bytes instead of the embedded corpus\n"
-      "  --checkpoint-dir DIR    write DIR/checkpoint.skck every --checkpoint-every steps (default 50) and at the end\n"
-      "  --resume                continue from DIR/checkpoint.skck\n"
+      "  --checkpoint-dir DIR    write a sharded checkpoint to DIR every --checkpoint-every steps (default 50) and\n"
+      "                          at the end: one file per rank and DIR/manifest.json; a DIR that already holds a\n"
+      "                          checkpoint is refused without --resume or --overwrite; one run per DIR (a lock)\n"
+      "  --resume                continue from DIR's checkpoint (written at any --ranks, by any --strategy)\n"
+      "  --overwrite             replace the checkpoint DIR holds (of another run) instead of refusing\n"
       "  --compare               run every strategy on the same model and data; table + SVG (--svg FILE)\n"
       "  --checkpoint-activations\n"
       "                          recompute each transformer block's activations in backward instead of keeping\n"

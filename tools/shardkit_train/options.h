@@ -75,6 +75,9 @@ struct Options {
   std::string checkpoint_dir; // empty: no checkpoints
   std::int64_t checkpoint_every = 50;
   bool resume = false;
+  // --overwrite: a checkpoint already in --checkpoint-dir (of another run) may be replaced; without it (or
+  // --resume) such a directory is refused.
+  bool overwrite = false;
   bool compare = false;
   // --checkpoint-activations: every transformer block checkpointed (nn::checkpoint_blocks): its activations are
   // recomputed in backward; the report shows the activation peak with it and without it (Note [activation peak
@@ -84,6 +87,13 @@ struct Options {
   std::int64_t sample_bytes = 160;
   // Test-only: the process SIGKILLs itself right after this step (a kill between steps). 0: never.
   std::int64_t stop_after_step = 0;
+  // Test-only (--test-kill-checkpoint-write shard|manifest:BYTES): each checkpoint write SIGKILLs the process
+  // after BYTES bytes of its rank file ("shard") or of the manifest; empty: never.
+  std::string kill_checkpoint_file;
+  std::int64_t kill_checkpoint_bytes = -1;
+  // Test-only (--test-checkpoint-consolidated): rank 0 gathers the full state and writes every piece (the
+  // reference the sharded layout is compared with).
+  bool checkpoint_consolidated = false;
   bool help = false;
 };
 

@@ -89,6 +89,8 @@ class Runner {
   // release_model() (fsdp: unshard / reshard; the others hold them all the time).
   virtual absl::Status gather_model() { return absl::OkStatus(); }
   virtual void release_model() {}
+  // What this rank holds of the state, for a sharded checkpoint (Note [checkpoint format] in checkpoint.h).
+  virtual CheckpointSource checkpoint_source(nn::GPT& model) = 0;
 };
 
 class DdpRunner : public Runner {
@@ -127,6 +129,7 @@ class DdpRunner : public Runner {
     for (const Tensor& p : params_) n += p.numel();
     return n;
   }
+  CheckpointSource checkpoint_source(nn::GPT& model) override { return {.model = &model, .optimizer = opt_.get()}; }
 
  private:
   DdpRunner(nn::GPT& model, comm::ProcessGroup& pg, const Options& o, std::unique_ptr<optim::Optimizer> opt)
@@ -187,6 +190,7 @@ class OssRunner : public Runner {
   }
   absl::Status load_state(const optim::OptimizerStateDict& full) override { return opt_->load_state_dict(full); }
   std::int64_t owned_numel() const override { return opt_->owned_numel(); }
+  CheckpointSource checkpoint_source(nn::GPT& model) override { return {.model = &model, .oss = opt_.get()}; }
 
  private:
   OssRunner(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg, const Options& o, std::unique_ptr<oss::Oss> opt)
@@ -277,6 +281,9 @@ class FsdpRunner : public Runner {
   }
   absl::Status gather_model() override { return root_.summon_full_params(); }
   void release_model() override { (void)root_.reshard(/*recurse=*/true); }
+  CheckpointSource checkpoint_source(nn::GPT&) override {
+    return {.model = &model_, .optimizer = opt_.get(), .fsdp = true};
+  }
 
  private:
   FsdpRunner(nn::GPT& model, fsdp::FSDPModule root, comm::ProcessGroup& pg, std::unique_ptr<optim::Optimizer> opt)
@@ -504,39 +511,36 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
       SKT_RETURN_IF_ERROR(observe(rec));
     }
     if (!o.checkpoint_dir.empty() && ((step + 1) % o.checkpoint_every == 0 || step + 1 == o.steps)) {
-      auto state = (*runner)->full_state();
-      if (!state.ok()) return state.status();
-      SKT_RETURN_IF_ERROR((*runner)->gather_model());
-      absl::Status finite;  // rank 0: whether every value of the checkpoint is finite
-      if (rank == 0) {
-        Checkpoint ck;
-        ck.meta = {{"model", size->name},
-                   {"model.vocab", std::to_string(cfg.vocab_size)},
-                   {"model.context", std::to_string(cfg.context)},
-                   {"model.width", std::to_string(cfg.width)},
-                   {"model.layers", std::to_string(cfg.num_layers)},
-                   {"model.heads", std::to_string(cfg.num_heads)},
-                   {"model.parameters", std::to_string(res.num_params)},
-                   {"step", std::to_string(step + 1)},
-                   {"seed", std::to_string(o.seed)},
-                   {"data.bytes", std::to_string(corpus.bytes.size())},
-                   {"data.fingerprint", std::to_string(corpus.fingerprint)},
-                   {"strategy", strategy_name(strategy)},
-                   {"world", std::to_string(world)}};
-        ck.model = model.state_dict();
-        ck.optimizer = std::move(**state);
-        finite = check_finite(ck);
-        if (finite.ok()) SKT_RETURN_IF_ERROR(write_checkpoint(o.checkpoint_dir, ck));
+      // Note [checkpoint format] in checkpoint.h: each rank writes what it holds, rank 0 commits.
+      std::optional<std::optional<optim::OptimizerStateDict>> full;  // --test-checkpoint-consolidated only
+      if (o.checkpoint_consolidated) {
+        auto state = (*runner)->full_state();
+        if (!state.ok()) return state.status();
+        full = std::move(*state);
+        SKT_RETURN_IF_ERROR((*runner)->gather_model());
       }
-      // Note [non-finite loss]: every rank learns whether rank 0 refused to write.
-      Tensor refused = Tensor::full({1}, finite.ok() ? 0.0 : 1.0, TensorOptions{}.with_category(MemoryCategory::other));
-      SKT_RETURN_IF_ERROR(pg->all_reduce(refused, {.op = comm::ReduceOp::max(), .tag = "checkpoint finite"})->wait());
-      if (refused.item() != 0.0) {
-        const std::string why = rank == 0 ? std::string(finite.message()) : "rank 0 found non-finite values";
-        return absl::FailedPreconditionError(absl::StrCat("refusing to write the checkpoint of step ", step + 1, ": ",
-                                                          why, last_checkpoint_clause(o, last_checkpoint_step)));
+      auto contents = full ? consolidated_contents(model, *full ? &**full : nullptr, rank)
+                           : sharded_contents((*runner)->checkpoint_source(model), rank);
+      if (!contents.ok()) return contents.status();
+      const std::map<std::string, std::string> meta = {
+          {"model", size->name},
+          {"model.vocab", std::to_string(cfg.vocab_size)},
+          {"model.context", std::to_string(cfg.context)},
+          {"model.width", std::to_string(cfg.width)},
+          {"model.layers", std::to_string(cfg.num_layers)},
+          {"model.heads", std::to_string(cfg.num_heads)},
+          {"model.parameters", std::to_string(res.num_params)},
+          {"step", std::to_string(step + 1)},
+          {"seed", std::to_string(o.seed)},
+          {"data.bytes", std::to_string(corpus.bytes.size())},
+          {"data.fingerprint", std::to_string(corpus.fingerprint)},
+          {"strategy", strategy_name(strategy)},
+          {"world", std::to_string(world)}};
+      const absl::Status saved = save_checkpoint(o, step + 1, meta, *contents, *pg);
+      if (full) (*runner)->release_model();
+      if (!saved.ok()) {
+        return absl::Status(saved.code(), absl::StrCat(saved.message(), last_checkpoint_clause(o, last_checkpoint_step)));
       }
-      (*runner)->release_model();
       checkpointed = true;
       last_checkpoint_step = step + 1;
     }
