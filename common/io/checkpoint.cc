@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 #include <system_error>
 #include <utility>
 
@@ -152,6 +153,57 @@ class FaultingWriter {
 
 std::string U64Bytes(std::uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
 
+// ---- JSON fields ------------------------------------------------------------------------------------------
+// Note [checked JSON numbers]: nlohmann's get<int64_t>() converts a float with a cast that is undefined out of
+// range, and get<uint64_t>() wraps a negative number; every number of a checkpoint's JSON is read through these
+// helpers instead, which accept integers in range only and throw BadField (a DataLoss for the caller) otherwise.
+
+struct BadField : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+constexpr std::int64_t kMaxInt = std::numeric_limits<std::int64_t>::max();
+constexpr std::int64_t kMaxWorld = std::int64_t{1} << 24;
+
+std::int64_t IntOf(const json& v, const std::string& what, std::int64_t lo, std::int64_t hi) {
+  if (!v.is_number_integer()) throw BadField(absl::StrCat("expected ", what, " an integer, found ", v.type_name()));
+  if (v.is_number_unsigned()) {
+    const std::uint64_t u = v.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(hi)) throw BadField(absl::StrCat("expected ", what, " at most ", hi, ", found ", u));
+    return static_cast<std::int64_t>(u);
+  }
+  const std::int64_t x = v.get<std::int64_t>();
+  if (x < lo || x > hi) throw BadField(absl::StrCat("expected ", what, " in [", lo, ", ", hi, "], found ", x));
+  return x;
+}
+
+std::int64_t Int(const json& j, const char* key, std::int64_t lo, std::int64_t hi) {
+  return IntOf(j.at(key), absl::StrCat("\"", key, "\""), lo, hi);
+}
+
+std::string Str(const json& j, const char* key) {
+  const json& v = j.at(key);
+  if (!v.is_string()) throw BadField(absl::StrCat("expected \"", key, "\" a string, found ", v.type_name()));
+  return v.get<std::string>();
+}
+
+std::uint64_t Hex(const json& j, const char* key) {
+  std::uint64_t out = 0;
+  const std::string s = Str(j, key);
+  if (s.size() != 16 || !absl::SimpleHexAtoi(s, &out)) {
+    throw BadField(absl::StrCat("expected \"", key, "\" 16 hex digits, found '", s, "'"));
+  }
+  return out;
+}
+
+Shape ShapeOf(const json& j, const char* key) {
+  const json& v = j.at(key);
+  if (!v.is_array() || v.size() > 64) throw BadField(absl::StrCat("expected \"", key, "\" an array of at most 64 dimensions"));
+  Shape out;
+  for (const json& d : v) out.push_back(IntOf(d, absl::StrCat("a dimension of \"", key, "\""), 0, kMaxInt));
+  return out;
+}
+
 // ---- rank file index --------------------------------------------------------------------------------------
 
 struct IndexPiece {
@@ -221,22 +273,20 @@ absl::StatusOr<ShardIndex> ReadShardIndex(const ReadFile& f) {
   absl::Status error;
   try {
     const json j = json::parse(text);
-    idx.id = j.at("id").get<std::string>();
-    idx.rank = j.at("rank").get<int>();
-    idx.world = j.at("world").get<int>();
+    idx.id = Str(j, "id");
+    idx.rank = static_cast<int>(Int(j, "rank", 0, kMaxWorld));
+    idx.world = static_cast<int>(Int(j, "world", 1, kMaxWorld));
     for (const json& p : j.at("pieces")) {
       IndexPiece ip;
-      ip.name = p.at("name").get<std::string>();
-      const auto dt = ParseDType(p.at("dtype").get<std::string>());
+      ip.name = Str(p, "name");
+      const auto dt = ParseDType(Str(p, "dtype"));
       if (!dt) return Corrupt(path, absl::StrCat("piece of '", ip.name, "': unknown dtype"));
       ip.dtype = *dt;
-      ip.shape = p.at("shape").get<Shape>();
-      ip.offset = p.at("offset").get<std::int64_t>();
-      ip.numel = p.at("numel").get<std::int64_t>();
-      ip.data_offset = p.at("data_offset").get<std::uint64_t>();
-      if (!absl::SimpleHexAtoi(p.at("xxh3").get<std::string>(), &ip.checksum)) {
-        return Corrupt(path, absl::StrCat("piece of '", ip.name, "': bad checksum"));
-      }
+      ip.shape = ShapeOf(p, "shape");
+      ip.offset = Int(p, "offset", 0, kMaxInt);
+      ip.numel = Int(p, "numel", 0, kMaxInt);
+      ip.data_offset = static_cast<std::uint64_t>(Int(p, "data_offset", 0, kMaxInt));
+      ip.checksum = Hex(p, "xxh3");
       const std::int64_t total = CheckedNumelOrError(ip.shape, ip.dtype, path, ip.name, error);
       if (total < 0) return error;
       if (ip.offset < 0 || ip.numel < 0 || ip.offset > total || ip.numel > total - ip.offset) {
@@ -252,6 +302,8 @@ absl::StatusOr<ShardIndex> ReadShardIndex(const ReadFile& f) {
       idx.pieces.push_back(std::move(ip));
     }
   } catch (const json::exception& e) {
+    return Corrupt(path, absl::StrCat("bad index: ", e.what()));
+  } catch (const BadField& e) {
     return Corrupt(path, absl::StrCat("bad index: ", e.what()));
   }
   return idx;
@@ -511,22 +563,20 @@ absl::StatusOr<Manifest> read_manifest(const std::string& dir) {
   absl::Status error;
   try {
     const json j = json::parse(body);
-    if (j.at("format").get<std::string>() != kManifestFormat || j.at("version").get<int>() != kManifestVersion) {
+    if (Str(j, "format") != kManifestFormat || Int(j, "version", 0, kMaxInt) != kManifestVersion) {
       return Corrupt(path, absl::StrCat("expected format '", kManifestFormat, "' version ", kManifestVersion));
     }
-    m.id = j.at("id").get<std::string>();
+    m.id = Str(j, "id");
     if (absl::Status s = ValidateId(m.id); !s.ok()) return Corrupt(path, std::string(s.message()));
-    m.world = j.at("world").get<int>();
+    m.world = static_cast<int>(Int(j, "world", 1, kMaxWorld));
     if (m.world < 1) return Corrupt(path, absl::StrCat("expected world >= 1, found ", m.world));
     m.meta = j.at("meta").get<std::map<std::string, std::string>>();
     for (const json& fj : j.at("files")) {
       ShardFile sf;
-      sf.rank = fj.at("rank").get<int>();
-      sf.file = fj.at("file").get<std::string>();
-      sf.bytes = fj.at("bytes").get<std::uint64_t>();
-      if (!absl::SimpleHexAtoi(fj.at("index_xxh3").get<std::string>(), &sf.index_checksum)) {
-        return Corrupt(path, absl::StrCat("bad index checksum of rank ", sf.rank));
-      }
+      sf.rank = static_cast<int>(Int(fj, "rank", 0, kMaxWorld));
+      sf.file = Str(fj, "file");
+      sf.bytes = static_cast<std::uint64_t>(Int(fj, "bytes", 0, kMaxInt));
+      sf.index_checksum = Hex(fj, "index_xxh3");
       if (sf.rank != static_cast<int>(m.files.size()) || !IsPlainFileName(sf.file)) {
         return Corrupt(path, absl::StrCat("expected file ", m.files.size(), " to be a plain file name of rank ",
                                           m.files.size(), ", found rank ", sf.rank, " '", sf.file, "'"));
@@ -538,22 +588,20 @@ absl::StatusOr<Manifest> read_manifest(const std::string& dir) {
     }
     for (const json& tj : j.at("tensors")) {
       TensorInfo t;
-      t.name = tj.at("name").get<std::string>();
-      const auto dt = ParseDType(tj.at("dtype").get<std::string>());
+      t.name = Str(tj, "name");
+      const auto dt = ParseDType(Str(tj, "dtype"));
       if (!dt) return Corrupt(path, absl::StrCat("tensor '", t.name, "': unknown dtype"));
       t.dtype = *dt;
-      t.shape = tj.at("shape").get<Shape>();
+      t.shape = ShapeOf(tj, "shape");
       t.numel = CheckedNumelOrError(t.shape, t.dtype, path, t.name, error);
       if (t.numel < 0) return error;
       for (const json& pj : tj.at("pieces")) {
         PieceLocation p;
-        p.rank = pj.at("rank").get<int>();
-        p.offset = pj.at("offset").get<std::int64_t>();
-        p.numel = pj.at("numel").get<std::int64_t>();
-        p.file_offset = pj.at("file_offset").get<std::uint64_t>();
-        if (!absl::SimpleHexAtoi(pj.at("xxh3").get<std::string>(), &p.checksum)) {
-          return Corrupt(path, absl::StrCat("tensor '", t.name, "': bad piece checksum"));
-        }
+        p.rank = static_cast<int>(Int(pj, "rank", 0, kMaxWorld));
+        p.offset = Int(pj, "offset", 0, kMaxInt);
+        p.numel = Int(pj, "numel", 0, kMaxInt);
+        p.file_offset = static_cast<std::uint64_t>(Int(pj, "file_offset", 0, kMaxInt));
+        p.checksum = Hex(pj, "xxh3");
         if (p.rank < 0 || p.rank >= m.world || p.offset < 0 || p.numel < 0 || p.offset > t.numel ||
             p.numel > t.numel - p.offset) {
           return Corrupt(path, absl::StrCat("tensor '", t.name, "': expected a piece of a rank in [0, ", m.world,
@@ -576,6 +624,8 @@ absl::StatusOr<Manifest> read_manifest(const std::string& dir) {
       m.tensors.push_back(std::move(t));
     }
   } catch (const json::exception& e) {
+    return Corrupt(path, absl::StrCat("bad manifest: ", e.what()));
+  } catch (const BadField& e) {
     return Corrupt(path, absl::StrCat("bad manifest: ", e.what()));
   }
   return m;

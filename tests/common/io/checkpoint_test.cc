@@ -227,6 +227,31 @@ TEST(Checkpoint, ManifestWithOverflowingShapeIsRefused) {
               HasSubstr("shape of 'a.weight': expected at most 9223372036854775807 elements"));
 }
 
+// Numbers that are not integers in range (Note [checked JSON numbers]) are refused, not cast: before, an offset of
+// 1e300 went through nlohmann's get<int64_t>(), an out-of-range float-to-integer conversion (undefined; UBSan aborts).
+TEST(Checkpoint, ManifestNumbersMustBeIntegersInRange) {
+  ScratchDir dir;
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), "n", 1, 1).ok());
+  const std::string good = ReadAll(dir.file(kManifestFile));
+  struct Case {
+    std::string from, to, want;
+  };
+  for (const Case& c : std::vector<Case>{{"\"offset\": 0", "\"offset\": 1e300", "expected \"offset\" an integer, found number"},
+                                         {"\"offset\": 0", "\"offset\": -1", "expected \"offset\" in [0, 9223372036854775807], found -1"},
+                                         {"\"world\": 1", "\"world\": 18446744073709551615", "expected \"world\" at most 16777216"},
+                                         {"\"rank\": 0", "\"rank\": \"0\"", "expected \"rank\" an integer, found string"}}) {
+    SCOPED_TRACE(c.to);
+    std::string text = good.substr(0, good.size() - 22);
+    ASSERT_NE(text.find(c.from), std::string::npos);
+    text.replace(text.find(c.from), c.from.size(), c.to);
+    text += "xxh3 " + checksum_hex(checksum64(text)) + "\n";
+    WriteAll(dir.file(kManifestFile), text);
+    const absl::Status s = read_manifest(dir.path()).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.want));
+  }
+}
+
 TEST(Checkpoint, AFifoPlantedAsTheManifestIsRefusedNotWaitedOn) {
   ScratchDir dir;
   ASSERT_EQ(::mkfifo(dir.file(kManifestFile).c_str(), 0644), 0);
