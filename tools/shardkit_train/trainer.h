@@ -16,8 +16,9 @@
 //   sddp: sddp::ShardedDataParallel over the same Oss: gradient buckets are reduce-scattered into the owned
 //         slices during backward and full-size gradients are released (ZeRO-2).
 //   fsdp: fsdp::fully_shard on every transformer block, then the model (the root): parameters sharded too,
-//         gathered per unit around its forward and backward (ZeRO-3); checkpoints through fsdp/state_dict.h and
-//         unshard(), so they load into any strategy (also under --precision bf16: the masters are f32).
+//         gathered per unit around its forward and backward (ZeRO-3); each rank checkpoints its rows
+//         (fsdp::sharded_state_dict / sharded_optimizer_state, Note [checkpoint format] in checkpoint.h), which
+//         load into any strategy at any world size (also under --precision bf16: the masters are f32).
 // Without the sddp layer (an older tree) ddp / oss fall back to one all_reduce per gradient after
 // backward, and sddp is not offered.
 // --precision bf16: mixed precision for every strategy (Note [mixed precision on f32 ops] in
@@ -33,7 +34,8 @@
 //
 // Measurements, per rank: per-category peak bytes of the ledger over the training steps (peaks restart
 // at each step; checkpoint work between steps is not counted, and only steps up to the first checkpoint
-// count, because Oss keeps the consolidated full state on rank 0 after consolidate_state_dict()), bytes
+// count, a rule from the consolidated checkpoints of earlier versions, after which Oss kept the full state on
+// rank 0; sharded checkpoints free their copies before the next step), bytes
 // sent per step from the
 // ProcessGroup's counters (only the step's own collectives: the loss average for display is excluded).
 //
