@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -40,6 +41,9 @@ absl::StatusOr<std::shared_ptr<TcpProcessGroup>> TcpProcessGroup::create(std::sh
     return absl::InvalidArgumentError(
         absl::StrCat("TcpProcessGroup: expected 0 <= rank < size, found rank ", rank, " and size ", size));
   }
+  if (options.token.empty()) {
+    if (const char* env = std::getenv("SHARDKIT_STORE_TOKEN"); env != nullptr) options.token = env;
+  }
   std::vector<int> global(static_cast<std::size_t>(size));
   for (int i = 0; i < size; ++i) global[static_cast<std::size_t>(i)] = i;
   std::shared_ptr<TcpProcessGroup> pg(new TcpProcessGroup(std::move(store), rank, size, std::move(global), options));
@@ -63,6 +67,7 @@ absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
   ro.store_prefix = options_.store_prefix;
   ro.group_name = name();
   ro.socket_buffer_bytes = options_.socket_buffer_bytes;
+  ro.token = options_.token;
   absl::StatusOr<TcpMesh> mesh = tcp_rendezvous(*store_, rank(), size(), ro, deadline);
   if (!mesh.ok()) return mesh.status();
   keys_ = std::move(mesh->keys);

@@ -33,6 +33,9 @@
 // fails the call on every rank within the deadline, naming the peer rank and the operation; the group is
 // then aborted (Note [group failure]): its connections are shut down so the other ranks notice at once, and the
 // reason is posted to the store under "<store_prefix>/<generation>/abort" so ranks further away quote the origin.
+// Authentication: both ends of every rank-to-rank connection prove they know the token (options.token,
+// normally the Store's) by a challenge-response when the mesh connects; a process that only knows a rank's
+// port is refused (tcp_auth.h: what this protects against and what it does not).
 // Recovery: create a new group (every rank calls create() again, with the same store and prefix if wanted;
 // each creation uses keys of its own, Note [group generations] in tcp_rendezvous.cc).
 //
@@ -78,6 +81,10 @@ struct TcpProcessGroupOptions {
   int socket_buffer_bytes = 0;
   // Busy-poll this long before blocking in poll(2) (DESIGN.md section 9).
   absl::Duration spin = absl::Microseconds(30);
+  // The secret every rank-to-rank connection proves at the rendezvous (Note [rank authentication] in
+  // tcp_rendezvous.cc; tcp_auth.h says what it protects against): normally the Store's token. Empty:
+  // SHARDKIT_STORE_TOKEN if set (read in create()), else none. Every rank of a group needs the same token.
+  std::string token = {};
 };
 
 class TcpProcessGroup final : public ProcessGroup {
