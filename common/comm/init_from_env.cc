@@ -210,6 +210,7 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
                                      store.status().message()));
   }
   TcpProcessGroupOptions go = options.group;
+  if (go.token.empty()) go.token = options.store_token;  // the ranks' connections prove the store's token
   if (go.listen_host.empty()) {
     go.listen_host = is_loopback(env->master_addr) ? "127.0.0.1" : route_source_address(env->master_addr, env->master_port);
   }

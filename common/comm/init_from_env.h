@@ -83,7 +83,8 @@ struct InitFromEnvOptions {
   absl::Duration store_connect_timeout = absl::Seconds(120);
   // Rank 0 hosts the store server; false: a standalone server already listens at MASTER_ADDR:MASTER_PORT.
   bool host_store = true;
-  std::string store_token;  // empty: SHARDKIT_STORE_TOKEN if set
+  // empty: SHARDKIT_STORE_TOKEN if set. Also the token of the ranks' connections (group.token) unless that is set.
+  std::string store_token;
   RankContextOptions rank_context;
   // The group's heartbeat watchdog (watchdog.h), kept alive with the returned group; empty: none. The
   // environment overrides: SHARDKIT_HEARTBEAT_WINDOW=<seconds> sets the window (0: no watchdog).
