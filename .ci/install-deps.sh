@@ -8,6 +8,7 @@ PKGS=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev libxxhash-dev
   libopenmpi-dev openmpi-bin
+  clang libclang-rt-dev
 )
 # pip, for the interop tests' Python packages below, when the python3 on PATH has none.
 if command -v python3 >/dev/null 2>&1 && ! python3 -m pip --version >/dev/null 2>&1; then PKGS+=(python3-pip); fi

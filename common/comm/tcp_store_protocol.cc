@@ -206,6 +206,11 @@ absl::StatusOr<Message> decode_payload(std::string_view payload) {
     case MessageType::kBool: {
       std::uint8_t b = 0;
       SK_RETURN_IF_ERROR_(r.u8(b));
+      // Only the two values the encoder writes: a frame decodes to exactly one message and re-encodes to itself.
+      if (b > 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("malformed store frame: expected a bool byte of 0 or 1, found ", static_cast<int>(b)));
+      }
       m.number = b;
       break;
     }
