@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -36,6 +37,12 @@ absl::StatusOr<DirectoryLock> DirectoryLock::acquire(const std::string& dir) {
     const int err = errno;
     return absl::FailedPreconditionError(absl::StrCat("cannot open the lock file '", path, "' of checkpoint directory '",
                                                       dir, "': ", ErrnoText(err)));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat("cannot use the lock file '", path, "' of checkpoint directory '",
+                                                      dir, "': expected a regular file, found another kind"));
   }
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;

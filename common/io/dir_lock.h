@@ -25,7 +25,7 @@ class DirectoryLock {
   // Takes the lock on `dir` (which must exist) without waiting. FailedPrecondition when another writer
   // holds it: "checkpoint directory 'd' is in use by another run (pid 1234 holds 'd/.lock')" (the pid when
   // the file names one); FailedPrecondition naming the path and the reason when the lock file cannot be
-  // opened (a symlink: "Too many levels of symbolic links", permission denied, ...).
+  // opened (a symlink: "Too many levels of symbolic links", permission denied, ...) or is not a regular file.
   static absl::StatusOr<DirectoryLock> acquire(const std::string& dir);
 
   DirectoryLock(DirectoryLock&& other) noexcept;

@@ -252,10 +252,14 @@ TEST(Checkpoint, ManifestNumbersMustBeIntegersInRange) {
   }
 }
 
-TEST(Checkpoint, AFifoPlantedAsTheManifestIsRefusedNotWaitedOn) {
+TEST(Checkpoint, AFifoPlantedAsTheManifestOrTheLockIsRefusedNotWaitedOn) {
   ScratchDir dir;
   ASSERT_EQ(::mkfifo(dir.file(kManifestFile).c_str(), 0644), 0);
   EXPECT_THAT(read_manifest(dir.path()).status().message(), HasSubstr("expected a regular file"));
+  ASSERT_EQ(::mkfifo(dir.file(".lock").c_str(), 0644), 0);
+  EXPECT_THAT(open_checkpoint_dir(dir.path(), ExistingCheckpoint::resume).status().message(),
+              HasSubstr("cannot use the lock file '" + dir.file(".lock") + "' of checkpoint directory '" + dir.path() +
+                        "': expected a regular file"));
 }
 
 // Symlinks planted at every name a writer opens (the lock file, the manifest, a rank file) and at a reader's
