@@ -184,7 +184,11 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
   if (!env.ok()) return env.status();
   auto timeout = seconds_from_env("SHARDKIT_TIMEOUT", 0.001);
   if (!timeout.ok()) return timeout.status();
-  if (*timeout) options.group.default_timeout = **timeout;
+  if (options.timeout) {
+    options.group.default_timeout = *options.timeout;
+  } else if (*timeout) {
+    options.group.default_timeout = **timeout;
+  }
   auto window = seconds_from_env("SHARDKIT_HEARTBEAT_WINDOW", 0);
   if (!window.ok()) return window.status();
   if (*window) {

@@ -85,6 +85,8 @@ struct InitFromEnvOptions {
   bool host_store = true;
   // empty: SHARDKIT_STORE_TOKEN if set. Also the token of the ranks' connections (group.token) unless that is set.
   std::string store_token;
+  // Every collective's deadline; wins over SHARDKIT_TIMEOUT and group.default_timeout. Empty: those.
+  std::optional<absl::Duration> timeout;
   RankContextOptions rank_context;
   // The group's heartbeat watchdog (watchdog.h), kept alive with the returned group; empty: none. The
   // environment overrides: SHARDKIT_HEARTBEAT_WINDOW=<seconds> sets the window (0: no watchdog).

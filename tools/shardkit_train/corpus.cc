@@ -1,15 +1,18 @@
 #include "tools/shardkit_train/corpus.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/tensor/random.h"
+#include "tools/shardkit_train/options.h"
 
 namespace shardkit::train {
 
@@ -19,22 +22,68 @@ std::uint64_t fnv1a64(const void* data, std::size_t n, std::uint64_t h) {
   return h;
 }
 
+namespace {
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Note [--data bounds]: the file is opened without blocking (a FIFO with no writer would block open() forever),
+// then fstat of the opened descriptor decides (no race with a path swapped after a check): a regular file of at
+// most kMaxDataBytes, read whole; a size that changes while it is read is an error.
+absl::StatusOr<std::string> read_data_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot read data file '", path, "': ", std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot read data file '", path, "': ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected --data to name a regular file, found ", file_kind(st.st_mode), ": '", path, "'"));
+  }
+  if (st.st_size > kMaxDataBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("expected a data file of at most ", kMaxDataBytes,
+                                                   " bytes (1 GiB; it is read whole), found ", st.st_size,
+                                                   " bytes in '", path, "'"));
+  }
+  std::string bytes(static_cast<std::size_t>(st.st_size), '\0');
+  std::size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::DataLossError(absl::StrCat("reading data file '", path, "': ", std::strerror(errno)));
+    if (n == 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  char extra;
+  if (got != bytes.size() || ::read(fd, &extra, 1) > 0) {
+    return absl::DataLossError(absl::StrCat("data file '", path, "' changed size while it was read (", st.st_size,
+                                            " bytes when opened)"));
+  }
+  return bytes;
+}
+
+}  // namespace
+
 absl::StatusOr<Corpus> load_corpus(const std::string& path, std::int64_t context) {
   Corpus c;
   if (path.empty()) {
     c.bytes = std::string(embedded_corpus());
     c.source = "embedded";
   } else {
-    if (std::error_code ec; std::filesystem::is_directory(path, ec)) {
-      return absl::InvalidArgumentError(absl::StrCat("expected --data to name a file, found the directory '", path, "'"));
-    }
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
-      return absl::NotFoundError(absl::StrCat("cannot read data file '", path, "': ", std::strerror(errno)));
-    }
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    c.bytes = ss.str();
+    auto bytes = read_data_file(path);
+    if (!bytes.ok()) return bytes.status();
+    c.bytes = std::move(*bytes);
     c.source = path;
     if (c.bytes.empty()) {
       return absl::InvalidArgumentError(absl::StrCat("expected a non-empty data file, found 0 bytes in '", path, "'"));

@@ -225,7 +225,15 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       if (!v.ok()) return v.status();
       o.svg = *v;
     } else if (flag == "--sample") {
-      st = int_flag(o.sample_bytes, 0, "a number of bytes >= 0");
+      st = int_flag(o.sample_bytes, 0, absl::StrCat("a number of bytes in [0, ", kMaxSampleBytes, "]"), kMaxSampleBytes);
+    } else if (flag == "--timeout") {
+      auto v = next();
+      if (!v.ok()) return v.status();
+      double seconds = 0;
+      if (!absl::SimpleAtod(*v, &seconds) || !(seconds > 0) || seconds > 86400) {
+        return bad(flag, "a number of seconds in (0, 86400]", *v);
+      }
+      o.timeout = absl::Seconds(seconds);
     } else if (flag == "--stop-after-step") {
       st = int_flag(o.stop_after_step, 1, "a step >= 1");
     } else {
@@ -270,7 +278,8 @@ std::string usage() {
       "  --backend tcp|mpi       process ranks only: tcp (default; shardrun, or mpirun / srun with the store at\n"
       "                          MASTER_ADDR) or mpi (under mpirun: mpirun -np 4 shardkit-train --backend mpi)\n"
       "  --seed N                model init and data order (default 1)\n"
-      "  --data FILE             train on FILE's bytes instead of the embedded corpus\n"
+      "  --data FILE             train on FILE's bytes instead of the embedded corpus (a regular file of at most\n"
+      "                          1 GiB: it is read whole)\n"
       "  --checkpoint-dir DIR    write a sharded checkpoint to DIR every --checkpoint-every steps (default 50) and\n"
       "                          at the end: one file per rank and DIR/manifest.json; a DIR that already holds a\n"
       "                          checkpoint is refused without --resume or --overwrite; one run per DIR (a lock)\n"
@@ -288,7 +297,10 @@ std::string usage() {
       "                          model.safetensors.index.json (fsdp: written shard by shard, never gathered)\n"
       "  --init-from FILE        start from GPT-2 weights (.safetensors, index .json or a directory) of the\n"
       "                          --model / shape flags' shape instead of the seed's initial values\n"
-      "  --sample N              bytes of generated text to print at the end (default 160)\n");
+      "  --sample N              bytes of generated text to print at the end (default 160, at most ", kMaxSampleBytes, ")\n"
+      "  --timeout S             every collective's deadline in seconds (default 120 for threads, 300 for processes;\n"
+      "                          over SHARDKIT_TIMEOUT); a stopped process rank is named sooner by the heartbeat\n"
+      "                          watchdog (SHARDKIT_HEARTBEAT_WINDOW, default 10 s)\n");
 }
 
 }  // namespace shardkit::train

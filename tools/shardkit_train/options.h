@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/nn/gpt.h"
 
 namespace shardkit::train {
@@ -55,6 +56,9 @@ inline constexpr std::int64_t kMaxContext = 16384;
 // or WORLD_SIZE, an int), batch x context x world stays far below INT64_MAX, so token counts never overflow;
 // the activations of a batch this size are already far more than a machine of this project's kind holds.
 inline constexpr std::int64_t kMaxBatch = 65536;
+// The largest --data file (it is read whole into memory) and --sample (generation runs one forward per byte).
+inline constexpr std::int64_t kMaxDataBytes = std::int64_t{1} << 30;  // 1 GiB
+inline constexpr std::int64_t kMaxSampleBytes = 65536;
 
 struct Options {
   Strategy strategy = Strategy::oss;
@@ -84,7 +88,9 @@ struct Options {
   // without checkpointing] in trainer.cc).
   bool checkpoint_activations = false;
   std::string svg = "shardkit-compare.svg";
-  std::int64_t sample_bytes = 160;
+  std::int64_t sample_bytes = 160;  // --sample, in [0, kMaxSampleBytes]
+  // --timeout S: every collective's deadline (threads and processes; over SHARDKIT_TIMEOUT); empty: the default.
+  std::optional<absl::Duration> timeout;
   // Test-only: the process SIGKILLs itself right after this step (a kill between steps). 0: never.
   std::int64_t stop_after_step = 0;
   // Test-only (--test-kill-checkpoint-write shard|manifest:BYTES): each checkpoint write SIGKILLs the process

@@ -645,7 +645,7 @@ absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const
         if (res->has_value()) result = std::move(*res);
         return absl::OkStatus();
       },
-      {.timeout = absl::Minutes(2), .seed = o.seed});
+      {.timeout = o.timeout.value_or(absl::Minutes(2)), .seed = o.seed});
   if (!st.ok()) {
     // The lowest rank's own error, not the aborts it caused on the others nor the order in which the ranks
     // failed (every rank may stop with an error of its own at the same step: rank 0's says most).
@@ -662,7 +662,11 @@ absl::StatusOr<RunResult> run_threads(const Options& o, Strategy strategy, const
 absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy strategy, const Corpus& corpus,
                                                      const Checkpoint* resume, const StepObserver& observe,
                                                      const nn::StateDict* init) {
-  auto pg = o.backend == Backend::mpi ? comm::create_mpi_world() : comm::init_from_env();
+  comm::InitFromEnvOptions tcp;
+  tcp.timeout = o.timeout;
+  comm::MpiOptions mpi;
+  if (o.timeout) mpi.default_timeout = *o.timeout;
+  auto pg = o.backend == Backend::mpi ? comm::create_mpi_world(mpi) : comm::init_from_env(tcp);
   if (!pg.ok()) return pg.status();
   RankContext& ctx = current_rank_context();
   ctx.rank = (*pg)->rank();
