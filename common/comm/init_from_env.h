@@ -2,7 +2,8 @@
 // MASTER_ADDR, MASTER_PORT (as set by tools/shardrun; under mpirun or srun their variables, parse_rank_env), connects a TcpStore (rank 0 hosts its server on
 // MASTER_ADDR:MASTER_PORT, or with host_store = false every rank connects to a standalone server such as
 // tools/shardkit-store; clients retry connecting until store_connect_timeout) and returns this rank's TCP
-// process group over all WORLD_SIZE ranks.
+// process group over all WORLD_SIZE ranks (whose ranks on one host talk through shared memory unless
+// SHARDKIT_TRANSPORT=tcp: shm_rendezvous.h).
 //
 // The rank context: on success init_from_env also makes the calling thread's current_rank_context() this
 // rank's, the way run_ranks (run_ranks.h) sets up each rank thread: rank = RANK, world_size = WORLD_SIZE and

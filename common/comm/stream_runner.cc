@@ -20,7 +20,9 @@ namespace shardkit::comm {
 // reduced into place. A send chunk may depend on a received chunk ("ready once recv chunk k is done"), which
 // pipelines the steps of a ring or chain. One loop drives both streams with non-blocking try_send / try_recv;
 // when neither can move it does other useful work (the local copy), busy-polls briefly (DESIGN.md section 9:
-// a blocking wake-up costs ~50 us in this VM) and then blocks in poll(2) until the call's deadline.
+// a blocking wake-up costs ~50 us in this VM) and then blocks in poll(2) until the call's deadline (or, for
+// pairs without a descriptor, on their wake-up counter: transport.h). A transport that lets received bytes be
+// read in place (peekable: shared memory) has them reduced straight out of its buffer, without the scratch copy.
 
 Streams streams_for_plan(const ChunkPlan& plan, char* base, std::size_t elem, const CallHeader* out, CallHeader* in) {
   Streams s;
@@ -63,11 +65,24 @@ absl::Status StreamRunner::run(const Streams& streams) {
   const int send_fd = send_pair ? send_pair->poll_fd() : -1;
   const int recv_fd = recv_pair ? recv_pair->poll_fd() : -1;
   const bool pollable = (send_pair == nullptr || send_fd >= 0) && (recv_pair == nullptr || recv_fd >= 0);
+  const bool peek = recv_pair != nullptr && recv_pair->peekable();
+  // Pairs without a poll_fd: wait on their wake-up counter (transport.h), shared by both pairs or not.
+  Pair* waker = nullptr;
+  bool shared_waker = false;
+  if (!pollable) {
+    const void* sk = send_pair ? send_pair->wake_key() : nullptr;
+    const void* rk = recv_pair ? recv_pair->wake_key() : nullptr;
+    waker = sk != nullptr ? send_pair : rk != nullptr ? recv_pair : nullptr;
+    const void* key = waker ? waker->wake_key() : nullptr;
+    shared_waker = waker != nullptr && (send_pair == nullptr || sk == key) && (recv_pair == nullptr || rk == key);
+  }
   std::size_t si = 0, soff = 0, ri = 0, roff = 0;
   std::int64_t recv_done = 0;  // number of completed recv chunks
   absl::Time spin_until = absl::InfiniteFuture();
   while (si < sends.size() || ri < recvs.size()) {
     bool progress = false;
+    // Read before trying the pairs, so a wake-up in between is not lost (Note [shm doorbells]).
+    const std::uint32_t seen = waker ? waker->wake_seq() : 0;
     // Send as much as the pair takes of ready chunks.
     while (si < sends.size() && sends[si].after_recv < recv_done) {
       const StreamSend& c = sends[si];
@@ -92,6 +107,20 @@ absl::Status StreamRunner::run(const Streams& streams) {
       if (c.bytes == 0) {
         ++ri;
         ++recv_done;
+        continue;
+      }
+      if (c.mode == StreamRecvMode::kReduce && peek) {
+        // Reduce straight out of the transport's buffer (Note [chunk pipeline]).
+        const absl::StatusOr<std::size_t> k = reduce_from_peek(c, roff);
+        if (!k.ok()) return lost(recv_peer, "receiving", k.status());
+        if (*k == 0) break;
+        progress = true;
+        recv_bytes_ += *k;
+        if (roff == c.bytes) {
+          ++ri;
+          ++recv_done;
+          roff = 0;
+        }
         continue;
       }
       char* dst = c.mode == StreamRecvMode::kReduce ? scratch : c.dst;
@@ -122,10 +151,22 @@ absl::Status StreamRunner::run(const Streams& streams) {
     const absl::Time now = absl::Now();
     if (now >= deadline) return timed_out(si < sends.size(), ri < recvs.size());
     if (spin_until == absl::InfiniteFuture()) spin_until = now + spin;
-    if (now < spin_until || !pollable) {
+    if (now < spin_until || (!pollable && waker == nullptr)) {
       // Busy-poll a little before sleeping (DESIGN.md section 9); yield so that, when ranks outnumber
       // cores, the rank we wait for gets the CPU.
       sched_yield();
+      continue;
+    }
+    if (!pollable) {
+      // Block on the wake-up counter until the deadline, but at most kLivenessPoll: a peer process that died
+      // rings nothing, check_peer() notices it (Note [shm doorbells] in shm_transport.cc). When only one of
+      // the pairs has the counter (a TCP and a shared-memory neighbour), the other is tried every millisecond.
+      const absl::Time until = std::min(deadline, now + (shared_waker ? kLivenessPoll : absl::Milliseconds(1)));
+      if (!waker->wait_wake(seen, until)) {
+        if (send_pair) send_pair->check_peer();
+        if (recv_pair) recv_pair->check_peer();
+      }
+      spin_until = absl::InfiniteFuture();
       continue;
     }
     pollfd p[2];
@@ -160,6 +201,34 @@ absl::Status StreamRunner::run(const Streams& streams) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::size_t> StreamRunner::reduce_from_peek(const StreamRecv& c, std::size_t& roff) {
+  const std::size_t elem = dtype_size(dtype);
+  char* out = c.out ? c.out : c.dst;
+  const int div = c.finalize ? divide_by : 0;
+  if (part_len_ == 0) {
+    const auto p = recv_pair->peek(c.bytes - roff);
+    if (!p.ok()) return p.status();
+    const std::size_t whole = p->second / elem * elem;
+    if (whole > 0) {
+      tcp_reduce::combine(out + roff, c.dst + roff, p->first, whole / elem, dtype, kind, div);
+      recv_pair->consume(whole);
+      roff += whole;
+      return whole;
+    }
+    if (p->second == 0) return std::size_t{0};
+  }
+  // Less than one element readable in place (it wraps around the ring, or has not all arrived): collect it.
+  const absl::StatusOr<std::size_t> k = recv_pair->try_recv(part_ + part_len_, elem - part_len_);
+  if (!k.ok()) return k.status();
+  part_len_ += *k;
+  if (part_len_ == elem) {
+    tcp_reduce::combine(out + roff, c.dst + roff, part_, 1, dtype, kind, div);
+    roff += elem;
+    part_len_ = 0;
+  }
+  return *k;
+}
+
 absl::Status StreamRunner::check_header(const CallHeader& got) const {
   if (std::memcmp(&got, expected, sizeof(CallHeader)) == 0) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(what, ": ranks disagree: expected rank ", recv_peer, " to issue ",
@@ -182,8 +251,8 @@ std::string StreamRunner::closed_peers() const {
   std::vector<pollfd> open;
   std::vector<int> open_ranks, closed;
   for (std::size_t i = 0; i < all_pairs.size(); ++i) {
-    if (all_pairs[i] == nullptr || all_pairs[i]->poll_fd() < 0) continue;
-    open.push_back(pollfd{all_pairs[i]->poll_fd(), POLLRDHUP, 0});
+    if (all_pairs[i] == nullptr || all_pairs[i]->hangup_fd() < 0) continue;
+    open.push_back(pollfd{all_pairs[i]->hangup_fd(), POLLRDHUP, 0});
     open_ranks.push_back(static_cast<int>(i));
   }
   const absl::Time until = absl::Now() + absl::Milliseconds(50);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/comm/call_header.h"
 #include "common/comm/process_group.h"
@@ -74,13 +75,21 @@ class StreamRunner {
 
   absl::Status run(const Streams& streams);
 
+  // Longest wait on a wake-up counter before the runner asks the pairs whether their peers still live.
+  static constexpr absl::Duration kLivenessPoll = absl::Milliseconds(50);
+
  private:
+  // kReduce chunk c from a peekable recv_pair: reduces what can be read in place, advancing roff; returns the
+  // bytes taken from the pair.
+  absl::StatusOr<std::size_t> reduce_from_peek(const StreamRecv& c, std::size_t& roff);
   bool copy_some(std::size_t max_bytes);
   absl::Status check_header(const CallHeader& got) const;
   absl::Status lost(int peer, const char* doing, const absl::Status& why) const;
   std::string closed_peers() const;
   absl::Status timed_out(bool sending, bool receiving) const;
 
+  char part_[8] = {};          // an element split across a ring's end (reduce_from_peek)
+  std::size_t part_len_ = 0;
   std::size_t sent_bytes_ = 0, recv_bytes_ = 0, send_total_ = 0, recv_total_ = 0;
 };
 

@@ -14,6 +14,7 @@
 #include "common/comm/stream_runner.h"
 #include "common/comm/tcp_reduce.h"
 #include "common/comm/tcp_rendezvous.h"
+#include "common/comm/shm_rendezvous.h"
 #include "common/comm/tcp_transport.h"
 
 namespace shardkit::comm {
@@ -44,6 +45,9 @@ absl::StatusOr<std::shared_ptr<TcpProcessGroup>> TcpProcessGroup::create(std::sh
   if (options.token.empty()) {
     if (const char* env = std::getenv("SHARDKIT_STORE_TOKEN"); env != nullptr) options.token = env;
   }
+  if (options.transport.empty()) {
+    if (const char* env = std::getenv("SHARDKIT_TRANSPORT"); env != nullptr) options.transport = env;
+  }
   std::vector<int> global(static_cast<std::size_t>(size));
   for (int i = 0; i < size; ++i) global[static_cast<std::size_t>(i)] = i;
   std::shared_ptr<TcpProcessGroup> pg(new TcpProcessGroup(std::move(store), rank, size, std::move(global), options));
@@ -60,6 +64,16 @@ absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
     return absl::InvalidArgumentError(absl::StrCat("TcpProcessGroup '", name(), "' rank ", rank(), " of ", size(),
                                                    ": expected chunk_bytes > 0, found 0"));
   }
+  const absl::StatusOr<TransportChoice> choice = parse_transport_choice(
+      options_.transport, "the transport (TcpProcessGroupOptions::transport, else SHARDKIT_TRANSPORT)");
+  if (!choice.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TcpProcessGroup '", name(), "' rank ", rank(), " of ", size(), ": ", choice.status().message()));
+  }
+  if (options_.shm_ring_bytes < 16) {
+    return absl::InvalidArgumentError(absl::StrCat("TcpProcessGroup '", name(), "' rank ", rank(), " of ", size(),
+                                                   ": expected shm_ring_bytes >= 16, found ", options_.shm_ring_bytes));
+  }
   impl_->scratch = Tensor::empty({static_cast<std::int64_t>(options_.chunk_bytes / 8 + 1)},
                                  TensorOptions{}.with_dtype(DType::i64).with_category(MemoryCategory::communication_buffer));
   TcpRendezvousOptions ro;
@@ -70,10 +84,16 @@ absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
   ro.token = options_.token;
   absl::StatusOr<TcpMesh> mesh = tcp_rendezvous(*store_, rank(), size(), ro, deadline);
   if (!mesh.ok()) return mesh.status();
-  keys_ = std::move(mesh->keys);
-  for (std::size_t p = 0; p < mesh->sockets.size(); ++p) {
-    if (mesh->sockets[p].valid()) peers_[p] = std::make_unique<TcpPair>(std::move(mesh->sockets[p]));
-  }
+  keys_ = mesh->keys;
+  ShmRendezvousOptions so;
+  so.group_name = name();
+  so.choice = *choice;
+  so.ring_bytes = options_.shm_ring_bytes;
+  so.host_id = options_.host_id;
+  absl::StatusOr<TransportMesh> pairs = make_pairs(*store_, rank(), size(), std::move(*mesh), so, deadline);
+  if (!pairs.ok()) return pairs.status();
+  peers_ = std::move(pairs->pairs);
+  kinds_ = std::move(pairs->kinds);
   return absl::OkStatus();
 }
 

@@ -6,7 +6,11 @@
 //   rendezvous  tcp_rendezvous.h: addresses through the store, then a full mesh, one TCP connection per pair
 //               of ranks (a pair's connection carries both directions; point-to-point and collectives share it,
 //               ordered by the contract in process_group.h)
-//   transport   transport.h / tcp_transport.h: each connection is a Pair that moves byte chunks
+//   transport   transport.h: each pair of ranks has a Pair that moves byte chunks: shared memory
+//               (shm_transport.h) when both ranks are on one host, TCP (tcp_transport.h) otherwise, chosen by
+//               shm_rendezvous.h from a host identity exchanged through the store (options.transport /
+//               SHARDKIT_TRANSPORT=tcp|shm override); over shared memory, reductions read straight out of the
+//               shared ring (no copy into a scratch buffer)
 //   algorithms  ring_plan.h: which chunks each rank sends to whom and receives from whom, run over the pairs by
 //               stream_runner.h (Note [chunk pipeline]: chunks are forwarded as soon as they have arrived)
 //
@@ -85,6 +89,16 @@ struct TcpProcessGroupOptions {
   // tcp_rendezvous.cc; tcp_auth.h says what it protects against): normally the Store's token. Empty:
   // SHARDKIT_STORE_TOKEN if set (read in create()), else none. Every rank of a group needs the same token.
   std::string token = {};
+  // Transport of each pair of ranks (shm_rendezvous.h): "auto" (shared memory between ranks on one host, TCP
+  // between hosts), "tcp" or "shm" (every rank on this host, else InvalidArgument). Empty: SHARDKIT_TRANSPORT
+  // if set (read in create()), else auto.
+  std::string transport = {};
+  // Bytes of each shared-memory ring (one per direction and pair on a host; at least 16). 1 MiB: four 256 KiB
+  // chunks in flight (bench/comm_bench_shm.cc). Tests use tiny rings so that bytes and elements wrap around
+  // the ring's end.
+  std::size_t shm_ring_bytes = 1u << 20;
+  // Testing seam: this rank's host identity (empty: the real one, shm_rendezvous.h); tests pretend hosts.
+  std::string host_id = {};
 };
 
 class TcpProcessGroup final : public ProcessGroup {
@@ -99,6 +113,8 @@ class TcpProcessGroup final : public ProcessGroup {
   std::string backend_name() const override { return "tcp"; }
   void abort(const absl::Status& reason) override;
   const TcpProcessGroupOptions& options() const { return options_; }
+  // The transport to group rank `peer`: "shm" or "tcp" (empty for this rank).
+  const std::string& transport_to(int peer) const { return kinds_.at(static_cast<std::size_t>(peer)); }
 
   // Testing seam (none by default): `hook` runs on the communication thread after it has taken a call off the
   // queue and before it runs it, with a function that blocks until this group's destruction has begun. Tests
@@ -127,6 +143,7 @@ class TcpProcessGroup final : public ProcessGroup {
   std::shared_ptr<Store> store_;
   TcpProcessGroupOptions options_;
   std::vector<std::unique_ptr<Pair>> peers_;  // by group rank; peers_[rank()] null
+  std::vector<std::string> kinds_;            // by group rank: "shm", "tcp", empty for this rank
   std::vector<std::int64_t> sends_to_;      // p2p sequence numbers per peer (comm thread only)
   std::vector<std::int64_t> recvs_from_;
   struct Impl;

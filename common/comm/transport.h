@@ -1,6 +1,6 @@
 // Pair: this rank's end of a connection to one other rank, over which a process backend moves the byte chunks
 // of its calls (DESIGN.md section 2: the "transport" of gloo's rendezvous / transport / algorithm split).
-// Implementations: TcpPair (tcp_transport.h). The chunk plans (ring_plan.h) run over any Pair through
+// Implementations: TcpPair (tcp_transport.h), ShmPair (shm_transport.h). The chunk plans (ring_plan.h) run over any Pair through
 // StreamRunner (stream_runner.h); a backend builds its pairs in its rendezvous (e.g. tcp_rendezvous.h).
 //
 // Contract of an implementation:
@@ -16,10 +16,30 @@
 //     has none, and the runner then keeps trying (yielding the CPU between tries) until its deadline.
 //   * shutdown() may be called from any thread, also while another thread is inside try_send / try_recv: it
 //     ends both streams, wakes pollers, and the peer's end sees the connection lost. Idempotent.
+//   * Optional, for transports without a poll_fd (ShmPair; defaults: not offered):
+//     - wake_key() / wake_seq() / wait_wake(): a wake-up counter that changes whenever a try_send / try_recv on
+//       this pair may move more bytes or the connection state changes. Pairs that share a counter return the
+//       same non-null wake_key(), so a runner waits for both its pairs at once: it reads wake_seq() before
+//       trying them, and wait_wake(seen, until) blocks until the counter differs from `seen` or `until` passes
+//       (true: it changed). Called from the thread that calls try_send / try_recv.
+//     - check_peer(): looks whether the peer has gone (its process died) without saying so; if it has, the next
+//       try_send reports the connection lost, and the next try_recv once the bytes that arrived are drained.
+//       Runners call it when a wait ends without a wake-up.
+//     - hangup_fd(): a descriptor that poll(2) reports POLLRDHUP / POLLHUP on once the peer has gone (to name
+//       every closed peer in an error); default poll_fd().
+//     - peekable() / peek() / consume(): zero-copy receive. peek(n) returns up to n received bytes readable in
+//       place (fewer when they wrap around a ring, none when nothing arrived; errors as try_recv); they stay
+//       valid and unchanged until consume(k) hands the first k of them back to the sender. A runner reduces
+//       straight out of them instead of copying them into a scratch buffer first (DESIGN.md section 9).
 // Destroying a pair closes it (the peer sees the connection lost).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
 
 #include "absl/status/statusor.h"
 
@@ -37,6 +57,18 @@ class Pair {
   virtual int poll_fd() const = 0;
   // Ends the connection both ways (any thread).
   virtual void shutdown() = 0;
+
+  // Optional parts (see the contract above).
+  virtual const void* wake_key() const { return nullptr; }
+  virtual std::uint32_t wake_seq() const { return 0; }
+  virtual bool wait_wake(std::uint32_t /*seen*/, absl::Time /*until*/) { return false; }
+  virtual void check_peer() {}
+  virtual int hangup_fd() const { return poll_fd(); }
+  virtual bool peekable() const { return false; }
+  virtual absl::StatusOr<std::pair<const char*, std::size_t>> peek(std::size_t /*n*/) {
+    return absl::UnimplementedError("peek: not offered by this transport");
+  }
+  virtual void consume(std::size_t /*n*/) {}
 };
 
 }  // namespace shardkit::comm

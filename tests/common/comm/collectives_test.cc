@@ -1,14 +1,26 @@
-// Every collective x op x dtype against a scalar reference, in process, at n = 1, 2, 3, 4, 8 and sizes
-// 0, 1, 7, 1,000,003, with a tiny reduction chunk so the multi-chunk paths run.
+// Every collective x op x dtype against a scalar reference at n = 1, 2, 3, 4, 8 and sizes 0, 1, 7, 1,000,003,
+// with a tiny reduction chunk so the multi-chunk paths run, over each backend whose ranks can be threads of
+// this process: in-process (RunRanks), TCP (TcpProcessGroup over loopback, SHARDKIT_TRANSPORT's "tcp") and
+// shared memory (the same group with transport "shm", tiny rings so that bytes and elements wrap around the
+// rings' ends). The MPI backend runs its matrix under mpirun (mpi_test.cc); process ranks and their faults
+// (a killed rank, a stopped one) are in shm_process_test.cc and tcp_multiprocess_test.cc.
 //
 // The in-process backend reduces in rank order and rounds bf16/f16 once, so the reference (same order,
-// same f32 arithmetic) must match bit for bit.
+// same f32 arithmetic) must match bit for bit. The process backends reduce in ring / chain order and round
+// bf16/f16 at every hop (process_group.h allows it): their float sums are checked to within (n + 1) units of
+// the last place of the sum of magnitudes; min, max, i64 and every copy (broadcast, all_gather) stay exact.
+#include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/comm/hash_store.h"
 #include "common/comm/process_group.h"
+#include "common/comm/tcp_process_group.h"
 #include "common/comm/testing/run_ranks.h"
 #include "gtest/gtest.h"
 
@@ -109,6 +121,18 @@ double reference(const ReduceOp& op, const Inputs& in, std::int64_t k) {
   return round_to(acc, in.dt);
 }
 
+// How far a ring / chain backend's float reduction of element k may be from `reference` (0: exact).
+double tolerance(const ReduceOp& op, const Inputs& in, std::int64_t k, bool exact) {
+  if (exact || in.dt == DType::i64 || op.kind == ReduceKind::min || op.kind == ReduceKind::max) return 0;
+  const double ulp = in.dt == DType::f32 ? std::ldexp(1.0, -23) : in.dt == DType::bf16 ? std::ldexp(1.0, -7)
+                                                                                       : std::ldexp(1.0, -10);
+  double mag = 0;
+  for (int r = 0; r < in.n; ++r) mag += std::abs(in.vf(r, k));
+  if (op.kind == ReduceKind::premul_sum) mag *= std::abs(op.factor);
+  if (op.kind == ReduceKind::avg) mag /= in.n;
+  return (in.n + 1) * ulp * mag;
+}
+
 double got_at(const Tensor& t, std::int64_t i) {
   switch (t.dtype()) {
     case DType::f32: return t.data<float>()[i];
@@ -119,14 +143,14 @@ double got_at(const Tensor& t, std::int64_t i) {
   return 0;
 }
 
-// Checks t[i] == expect(i) for i in [0, numel) with the given stride; reports the first mismatch.
-template <typename F>
-void expect_all(const Tensor& t, std::int64_t numel, std::int64_t stride, F expect, const std::string& what) {
+// Checks t[i] == expect(i) (within tol(i)) for i in [0, numel) with the given stride; reports the first mismatch.
+template <typename F, typename T>
+void expect_near_all(const Tensor& t, std::int64_t numel, std::int64_t stride, F expect, T tol, const std::string& what) {
   std::int64_t bad = 0, first = -1;
   double want0 = 0, got0 = 0;
   for (std::int64_t i = 0; i < numel; i += stride) {
     const double want = expect(i), got = got_at(t, i);
-    if (want != got) {
+    if (want != got && !(std::abs(want - got) <= tol(i))) {
       if (bad++ == 0) {
         first = i;
         want0 = want;
@@ -137,7 +161,56 @@ void expect_all(const Tensor& t, std::int64_t numel, std::int64_t stride, F expe
   EXPECT_EQ(bad, 0) << what << ": first mismatch at " << first << ": expected " << want0 << ", found " << got0;
 }
 
+template <typename F>
+void expect_all(const Tensor& t, std::int64_t numel, std::int64_t stride, F expect, const std::string& what) {
+  expect_near_all(t, numel, stride, expect, [](std::int64_t) { return 0.0; }, what);
+}
+
+enum class Backend { kInProcess, kTcp, kShm };
+
+// Runs fn(group, rank) on n rank threads over `backend`; the first failure (by rank order) is returned.
+absl::Status RunOn(Backend backend, int n, std::size_t chunk_bytes, absl::Duration timeout,
+                   const std::function<absl::Status(ProcessGroup&, int)>& fn) {
+  if (backend == Backend::kInProcess) {
+    RunRanksOptions options;
+    options.timeout = timeout;
+    options.chunk_bytes = static_cast<std::int64_t>(chunk_bytes);
+    return RunRanks(n, [&](RankEnv& env) { return fn(env.group, env.rank); }, options);
+  }
+  auto store = std::make_shared<HashStore>();
+  std::vector<absl::Status> results(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      TcpProcessGroupOptions o;
+      o.default_timeout = timeout;
+      o.chunk_bytes = chunk_bytes;
+      o.spin = absl::Microseconds(5);  // ranks outnumber the cores: do not keep them from running
+      o.transport = backend == Backend::kShm ? "shm" : "tcp";
+      // Rings of an odd size a little over a chunk: every element size wraps around the ring's end.
+      o.shm_ring_bytes = chunk_bytes * 3 + 13;
+      auto pg = TcpProcessGroup::create(store, r, n, o);
+      if (!pg.ok()) {
+        results[static_cast<std::size_t>(r)] = pg.status();
+        return;
+      }
+      for (int p = 0; p < n; ++p) {
+        if (p != r) {
+          EXPECT_EQ((*pg)->transport_to(p), backend == Backend::kShm ? "shm" : "tcp");
+        }
+      }
+      results[static_cast<std::size_t>(r)] = fn(**pg, r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const absl::Status& st : results) {
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
 struct Param {
+  Backend backend;
   int n;
   DType dtype;
   std::int64_t size;
@@ -150,11 +223,12 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 class CollectivesTest : public ::testing::TestWithParam<Param> {};
 
 TEST_P(CollectivesTest, MatchesScalarReference) {
-  const auto [n, dt, size] = GetParam();
+  const auto [backend, n, dt, size] = GetParam();
   const bool big = size > 1000;
-  RunRanksOptions options;
-  options.timeout = absl::Seconds(120);
-  options.chunk_bytes = big ? 1000 : 12;  // 250 / 3 f32 elements per reduction step
+  const bool exact = backend == Backend::kInProcess;
+  // 250 / 3 f32 elements per reduction step; the process backends' big case takes 4096 (still hundreds of chunks
+  // per call) so that their per-chunk system calls keep the suite fast.
+  const std::size_t chunk_bytes = !big ? 12 : exact ? 1000 : 4096;
   const std::vector<ReduceOp> ops = {ReduceOp::sum(), ReduceOp::avg(), ReduceOp::min(), ReduceOp::max(),
                                      ReduceOp::premul_sum(dt == DType::i64 ? 3.0 : 0.37)};
   // Per-rank shard for all_gather / reduce_scatter: `size` itself, except the big size is split (so the
@@ -163,11 +237,9 @@ TEST_P(CollectivesTest, MatchesScalarReference) {
 
   const Inputs inputs(n, std::max(size, shard * n), dt);
 
-  absl::Status st = RunRanks(
-      n,
-      [&](RankEnv& env) -> absl::Status {
-        ProcessGroup& pg = env.group;
-        const int r = env.rank;
+  absl::Status st = RunOn(
+      backend, n, chunk_bytes, absl::Seconds(120),
+      [&](ProcessGroup& pg, const int r) -> absl::Status {
         int c = 0;
         // Big tensors: in each case one rank (c % n) checks every element, the others every 13th.
         auto stride_for = [&](int cc) -> std::int64_t { return !big || cc % n == r ? 1 : 13; };
@@ -177,8 +249,9 @@ TEST_P(CollectivesTest, MatchesScalarReference) {
             ++c;
             Tensor t = inputs.make(r, size);
             if (absl::Status s = pg.all_reduce(t, {.op = op})->wait(); !s.ok()) return s;
-            expect_all(t, size, stride_for(c), [&](std::int64_t i) { return reference(op, inputs, i); },
-                       absl::StrCat("all_reduce ", opname, " rank ", r));
+            expect_near_all(t, size, stride_for(c), [&](std::int64_t i) { return reference(op, inputs, i); },
+                            [&](std::int64_t i) { return tolerance(op, inputs, i, exact); },
+                            absl::StrCat("all_reduce ", opname, " rank ", r));
           }
           {  // reduce to a root other than 0 when possible
             ++c;
@@ -186,8 +259,9 @@ TEST_P(CollectivesTest, MatchesScalarReference) {
             Tensor t = inputs.make(r, size);
             if (absl::Status s = pg.reduce(t, {.root = root, .op = op})->wait(); !s.ok()) return s;
             if (r == root) {
-              expect_all(t, size, 1, [&](std::int64_t i) { return reference(op, inputs, i); },
-                         absl::StrCat("reduce ", opname, " root ", root));
+              expect_near_all(t, size, 1, [&](std::int64_t i) { return reference(op, inputs, i); },
+                              [&](std::int64_t i) { return tolerance(op, inputs, i, exact); },
+                              absl::StrCat("reduce ", opname, " root ", root));
             }
           }
           for (bool in_place : {false, true}) {  // reduce_scatter
@@ -195,8 +269,9 @@ TEST_P(CollectivesTest, MatchesScalarReference) {
             Tensor in = inputs.make(r, shard * n);
             Tensor out = in_place ? in.view(r * shard, {shard}) : Tensor::empty({shard}, TensorOptions{}.with_dtype(dt));
             if (absl::Status s = pg.reduce_scatter(out, in, {.op = op})->wait(); !s.ok()) return s;
-            expect_all(out, shard, 1, [&](std::int64_t i) { return reference(op, inputs, r * shard + i); },
-                       absl::StrCat("reduce_scatter ", opname, in_place ? " in place" : "", " rank ", r));
+            expect_near_all(out, shard, 1, [&](std::int64_t i) { return reference(op, inputs, r * shard + i); },
+                            [&](std::int64_t i) { return tolerance(op, inputs, r * shard + i, exact); },
+                            absl::StrCat("reduce_scatter ", opname, in_place ? " in place" : "", " rank ", r));
           }
         }
         for (bool in_place : {false, true}) {  // all_gather
@@ -225,22 +300,23 @@ TEST_P(CollectivesTest, MatchesScalarReference) {
                      absl::StrCat("broadcast rank ", r));
         }
         return pg.barrier()->wait();
-      },
-      options);
+      });
   EXPECT_TRUE(st.ok()) << st;
 }
 
-std::vector<Param> all_params() {
+std::vector<Param> all_params(Backend backend) {
   std::vector<Param> out;
   for (int n : {1, 2, 3, 4, 8}) {
     for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::i64}) {
-      for (std::int64_t size : {0, 1, 7, 1000003}) out.push_back({n, dt, size});
+      for (std::int64_t size : {0, 1, 7, 1000003}) out.push_back({backend, n, dt, size});
     }
   }
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(InProcess, CollectivesTest, ::testing::ValuesIn(all_params()), param_name);
+INSTANTIATE_TEST_SUITE_P(InProcess, CollectivesTest, ::testing::ValuesIn(all_params(Backend::kInProcess)), param_name);
+INSTANTIATE_TEST_SUITE_P(Tcp, CollectivesTest, ::testing::ValuesIn(all_params(Backend::kTcp)), param_name);
+INSTANTIATE_TEST_SUITE_P(Shm, CollectivesTest, ::testing::ValuesIn(all_params(Backend::kShm)), param_name);
 
 }  // namespace
 }  // namespace shardkit::comm

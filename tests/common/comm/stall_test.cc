@@ -24,7 +24,7 @@ TEST_P(StoppedRank, EverySurvivorNamesItWithinTheHeartbeatWindow) {
   auto r = shardkit::testing::run_command({SHARDRUN_PATH, "--nproc", std::to_string(n), "--timeout", "300",
                                            "--heartbeat-window", "2", "--grace-seconds", "5", "--", STALL_WORKER_PATH,
                                            std::to_string(victim), "3"},
-                                          240);
+                                          240, {{"SHARDKIT_TRANSPORT", "tcp"}});  // shm: shm_process_test.cc
   ASSERT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_NE(r.exit_code, 0);
   int errors = 0;

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/comm/init_from_env.h"
@@ -24,6 +26,8 @@ using shardkit::testing::run_command;
 const std::string kShardrun = SHARDRUN_PATH;
 const std::string kWorker = TCP_WORKER_PATH;
 const std::string kStore = SHARDKIT_STORE_PATH;
+// On one host "auto" would pick shared memory (shm_process_test.cc runs these workers over it).
+const std::vector<std::pair<std::string, std::string>> kTcp = {{"SHARDKIT_TRANSPORT", "tcp"}};
 
 // A running shardkit-store (its own process group; SIGKILLed on destruction) and the port it printed.
 class StandaloneStore {
@@ -65,7 +69,7 @@ class TcpProcesses : public ::testing::TestWithParam<int> {};
 
 TEST_P(TcpProcesses, CollectiveMatrixThroughShardrun) {
   const int n = GetParam();
-  auto r = run_command({kShardrun, "--nproc", std::to_string(n), "--", kWorker, "matrix"}, 240);
+  auto r = run_command({kShardrun, "--nproc", std::to_string(n), "--", kWorker, "matrix"}, 240, kTcp);
   ASSERT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   for (int rank = 0; rank < n; ++rank) {
@@ -88,7 +92,7 @@ TEST_P(TcpKill, SigkilledRankIsNamedByEveryOtherRankWithinTheDeadline) {
   const auto [n, victim] = GetParam();
   auto r = run_command({kShardrun, "--nproc", std::to_string(n), "--grace-seconds", "30", "--", kWorker, "kill",
                         std::to_string(victim), "3"},
-                       120);
+                       120, kTcp);
   ASSERT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_EQ(r.exit_code, 128 + 9) << r.out << r.err;  // the victim's SIGKILL is the first failure
   for (int rank = 0; rank < n; ++rank) {

@@ -33,6 +33,7 @@ using tcp_testing::run_tcp_ranks;
 TcpProcessGroupOptions small_chunks() {
   TcpProcessGroupOptions o;
   o.chunk_bytes = 24;  // 6 f32 / 12 bf16 / 3 i64 elements: multi-chunk and ragged last chunks
+  o.transport = "tcp";  // on one host "auto" would pick shared memory (shm_transport_test.cc tests that)
   o.default_timeout = absl::Seconds(60);
   return o;
 }

@@ -14,7 +14,9 @@
 namespace shardkit::comm::tcp_testing {
 
 // Runs fn(rank, group) on n threads, each with its own store client and TCP group.
+// The transport is TCP unless options.transport says otherwise (on one host "auto" would pick shared memory).
 inline void run_tcp_ranks(int n, TcpProcessGroupOptions options, const std::function<void(int, std::shared_ptr<TcpProcessGroup>&)>& fn) {
+  if (options.transport.empty()) options.transport = "tcp";
   TcpStoreOptions so;
   so.is_server = true;
   auto server = TcpStore::create(so);
