@@ -61,6 +61,9 @@ struct FSDPParam {
   Shape local_shape;
   RowSplit split;
   std::int64_t shard_offset = 0;  // elements into the unit's shard buffer
+  std::int64_t full_offset = 0;   // elements into the unit's unsharded buffer
+  // Gathered and reduced by a collective of its own (Note [own collectives] in param_group.cc).
+  bool own_collective = false;
   Tensor sharded;                 // the module's parameter at rest (leaf, requires grad)
   Tensor unsharded;               // the module's parameter while unsharded (leaf, requires grad)
   // Whether the unsharded values are the shards' own (an f32 gather) rather than their param_dtype roundings

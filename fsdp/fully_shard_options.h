@@ -1,6 +1,7 @@
 // Options of fsdp::fully_shard (fully_shard.h).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <variant>
 #include <vector>
@@ -37,6 +38,12 @@ struct FullyShardOptions {
   // backward because of a prefetch; a prefetch beyond it is not issued (the unit gathers when it runs). Each costs
   // that unit's gather buffer and unsharded parameters.
   int max_prefetched_units = 1;
+  // Note [own collectives] in param_group.cc: a parameter with at least this many elements whose rows split evenly
+  // over the group (no padding) gets an all-gather of its own, straight into its unsharded tensor, and a
+  // reduce-scatter of its own, straight from its gradient, when both move f32; the unit's other parameters share
+  // one all-gather and one reduce-scatter through a buffer (copy-in / copy-out). Fewer bytes copied, more
+  // collectives. INT64_MAX: one collective per unit per pass for every unit. Tests set it to 1.
+  std::int64_t own_collective_min_numel = std::int64_t{1} << 16;
   // Mixed precision (fsdp/mixed_precision.h): the dtypes of the all-gather, the forward values, the reduce-scatter
   // and the root's outputs. Default: f32 throughout.
   MixedPrecisionPolicy mp_policy = {};

@@ -48,9 +48,31 @@ void add_into(const Tensor& acc, const Tensor& x) {
 // all-reducing them; the next reduce that all-reduces adds them in first, so one all-reduce carries every
 // micro-batch. The all-reduce runs when the reduce-scatter is finished (not overlapped yet).
 
+// Note [own collectives]
+// A unit's all-gather lands rank-major ([rank 0: every parameter's rows | rank 1: ... ]) while each unsharded
+// parameter is row-major on its own, so the shared gather buffer costs a copy-out of every byte, and the
+// reduce-scatter a copy-in of every gradient byte; on CPU backends those copies cost as much as the collective
+// itself. A parameter whose rows split evenly over the group (no padding) is already rank-major on its own: its
+// unsharded tensor *is* the all-gather output of its shard, and its full gradient *is* a reduce-scatter input. So
+// a parameter with at least FullyShardOptions::own_collective_min_numel elements and no padding gets collectives
+// of its own: an all_gather from its shard rows straight into its view of the unit's unsharded buffer, and a
+// reduce_scatter from its gradient straight into its rows of the unit's reduced gradients; the unit's other
+// parameters (small ones, padded ones) still share one all_gather and one reduce_scatter through a buffer. Their
+// rows come first in the shard buffer ([0, shared_numel_)), so the shared collective's input is contiguous.
+// Every rank decides the same (the choice depends on shapes and the group size only) and issues the same
+// collectives in the same order: the shared one, then the own ones in parameter order. The values are the same
+// bits: the gather is a copy either way and a reduction is per element, in rank order.
+// Own collectives are used when the gather moves f32 (no param_dtype cast, not a k-group gather) and, for the
+// reduce, when reduce_dtype is f32; otherwise the whole unit goes through the buffers as before.
+// Memory: while own gathers are in flight the unsharded buffer is charged as MemoryCategory::communication_buffer
+// (it is the gather output), and becomes `parameter` when the unshard is waited for, so the ledger tells the same
+// story as with a gather buffer (a prefetched unit's parameters are not charged before it runs), with N × S
+// bytes in flight at most as before. A gradient handed to its own reduce_scatter is released by this rank at once
+// and held by the collective until the peers are done (as the shared buffer is).
+
 ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
                        std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout,
-                       MixedPrecisionPolicy mp)
+                       MixedPrecisionPolicy mp, std::int64_t own_collective_min_numel)
     : name_(std::move(name)),
       params_(std::move(params)),
       pg_(std::move(group)),
@@ -58,12 +80,20 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
       timeout_(timeout),
       mp_(mp) {
   const int rank = pg_->rank(), world = pg_->size();
-  std::int64_t s = 0;
   for (FSDPParam& p : params_) {
     p.split = split_rows(p.global_shape, rank, world);
     p.local_shape = local_shape_of(p.global_shape, p.split.local_rows);
-    p.shard_offset = s;
-    s += p.padded_numel();
+    const std::int64_t numel = shape_numel(p.global_shape);
+    p.own_collective = numel > 0 && numel >= own_collective_min_numel && p.split.rows_per_rank * world == p.split.rows;
+  }
+  std::int64_t s = 0;
+  for (const bool own : {false, true}) {  // Note [own collectives]: the shared ones first
+    for (FSDPParam& p : params_) {
+      if (p.own_collective != own) continue;
+      p.shard_offset = s;
+      s += p.padded_numel();
+      (own ? own_numel_ : shared_numel_) += p.padded_numel();
+    }
   }
   const TensorOptions param_opts = TensorOptions{}.with_category(MemoryCategory::parameter);
   shard_ = Tensor::zeros({s}, param_opts);
@@ -89,6 +119,7 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
     p.sharded = shard_.view(p.shard_offset, p.local_shape);
     p.sharded.set_requires_grad(true);
     p.unsharded = full_.view(full_offset, p.global_shape);
+    p.full_offset = full_offset;
     full_offset += p.unsharded.numel();
     p.unsharded.set_requires_grad(true);
     p.register_as(p.sharded);
@@ -137,15 +168,30 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
   h.group_ = this;
   if (k_resharded_) {  // Note [reshard to a k-group]: gather within the k-group
     h.gathered_ = Tensor::empty({kshard_.numel() * k_}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
-    h.work_ = kgroup_->all_gather(h.gathered_, kshard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_)});
+    h.works_.push_back(kgroup_->all_gather(h.gathered_, kshard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_)}));
     return h;
   }
   const DType dtype = exact ? DType::f32 : mp_.compute_dtype();
-  h.gathered_ = Tensor::empty({shard_.numel() * pg_->size()},
-                              TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(dtype));
-  // param_dtype: the shard cast for the all-gather (its Work holds the cast until the peers have read it).
-  const Tensor send = dtype == DType::f32 ? shard_ : shard_.to(dtype, MemoryCategory::communication_buffer);
-  h.work_ = pg_->all_gather(h.gathered_, send, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)});
+  h.own_ = own_unshard(dtype);
+  // Note [own collectives]: the shared parameters through the gather buffer, the others straight into full_.
+  const std::int64_t shared = h.own_ ? shared_numel_ : shard_.numel();
+  if (shared > 0) {
+    h.gathered_ = Tensor::empty({shared * pg_->size()},
+                                TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(dtype));
+    // param_dtype: the shard cast for the all-gather (its Work holds the cast until the peers have read it).
+    const Tensor mine = shared == shard_.numel() ? shard_ : shard_.view(0, {shared});
+    const Tensor send = dtype == DType::f32 ? mine : mine.to(dtype, MemoryCategory::communication_buffer);
+    h.works_.push_back(pg_->all_gather(h.gathered_, send, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)}));
+  }
+  if (!h.own_) return h;
+  full_.storage()->recategorize(MemoryCategory::communication_buffer);  // until waited for
+  full_.reallocate_storage();
+  for (const FSDPParam& p : params_) {
+    if (!p.own_collective) continue;
+    h.works_.push_back(pg_->all_gather(full_.view(p.full_offset, {p.unsharded.numel()}),
+                                       shard_.view(p.shard_offset, {p.padded_numel()}),
+                                       {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_, " ", p.names.front())}));
+  }
   return h;
 }
 
@@ -153,26 +199,43 @@ absl::Status ParamGroup::UnshardHandle::wait() {
   if (group_ == nullptr) return absl::OkStatus();
   ParamGroup* g = group_;
   group_ = nullptr;
-  absl::Status s = work_->wait();
-  work_.reset();
+  absl::Status s;
+  for (const std::shared_ptr<comm::Work>& w : works_) {  // every one: own gathers write into full_ until done
+    if (absl::Status ws = w->wait(); s.ok()) s = ws;
+  }
+  works_.clear();
   Tensor gathered = std::move(gathered_);
-  if (!s.ok()) return s;
-  return g->finish_unshard(gathered);
+  if (!s.ok()) {
+    if (own_) {  // nothing writes full_ any more
+      g->full_.release_storage();
+      g->full_.storage()->recategorize(MemoryCategory::parameter);
+    }
+    return s;
+  }
+  return g->finish_unshard(gathered, own_);
 }
 
-absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
+absl::Status ParamGroup::finish_unshard(const Tensor& gathered, bool own) {
   // From the k-group's k-shards (Note [reshard to a k-group]) or from every rank's shard.
   const bool from_k = k_resharded_;
-  const std::int64_t s = from_k ? kshard_.numel() : shard_.numel();
+  // Rank stride of the gather buffer: the shared parameters only when the others gathered on their own.
+  const std::int64_t s = from_k ? kshard_.numel() : own ? shared_numel_ : shard_.numel();
   const int parts = from_k ? k_ : pg_->size();
-  const char* in = static_cast<const char*>(gathered.raw_data());
-  const DType in_dtype = gathered.dtype();
+  const char* in = gathered.defined() ? static_cast<const char*>(gathered.raw_data()) : nullptr;
+  const DType in_dtype = gathered.defined() ? gathered.dtype() : DType::f32;
   const std::int64_t es = static_cast<std::int64_t>(dtype_size(in_dtype));
   const bool exact = from_k ? k_exact_ : in_dtype == DType::f32;
-  full_.reallocate_storage();
+  if (own) {
+    full_.storage()->recategorize(MemoryCategory::parameter);  // the gather output becomes the parameters
+  } else {
+    full_.reallocate_storage();
+  }
   for (std::size_t j = 0; j < params_.size(); ++j) {
     FSDPParam& p = params_[j];
     p.unsharded.set_requires_grad(p.sharded.requires_grad());  // frozen after fully_shard: no gradient
+    p.unsharded_exact = exact;
+    p.register_as(p.unsharded);
+    if (own && p.own_collective) continue;  // gathered in place
     float* out = p.unsharded.data<float>();
     const std::int64_t offset = from_k ? k_offsets_[j] : p.shard_offset;
     for (int r = 0; r < parts; ++r) {
@@ -180,8 +243,6 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered) {
       copy_rows_to_f32(out + rs.row_offset * rs.row_numel, in + (r * s + offset) * es, in_dtype, rs.local_rows,
                        rs.row_numel);
     }
-    p.unsharded_exact = exact;
-    p.register_as(p.unsharded);
   }
   if (from_k) {
     kshard_.release_storage();
@@ -235,17 +296,33 @@ absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {
 
 absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor, bool all_reduce_replicas) {
   if (absl::Status st = finish_reduce_grads(); !st.ok()) return st;
-  const std::int64_t s = shard_.numel();
   const int world = pg_->size();
+  const bool own = own_reduce();  // Note [own collectives]
+  // Rank stride of the reduce_scatter input: the shared parameters only when the others reduce on their own.
+  const std::int64_t s = own ? shared_numel_ : shard_.numel();
   // Every element is written once: a gradient's rows (cast to reduce_dtype), or zeros (padding, parameters without
   // a gradient).
   const DType rd = mp_.reduce_in();
   const std::int64_t es = static_cast<std::int64_t>(dtype_size(rd));
-  Tensor flat = Tensor::empty({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(rd));
-  char* in = static_cast<char*>(flat.raw_data());
+  Tensor flat = s == 0 ? Tensor()
+                       : Tensor::empty({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(rd));
+  char* in = s == 0 ? nullptr : static_cast<char*>(flat.raw_data());
+  PendingReduce pending;
+  pending.out = Tensor::empty({shard_.numel()}, TensorOptions{}.with_category(MemoryCategory::gradient).with_dtype(rd));
+  pending.divide_factor = divide_factor;
+  pending.all_reduce_replicas = all_reduce_replicas;
+  const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
+  // Own reduce_scatters are issued in parameter order after the shared one (Note [own collectives]).
+  std::vector<std::pair<const FSDPParam*, Tensor>> own_inputs;
   for (FSDPParam& p : params_) {
     const Tensor g = p.unsharded.grad();
     SK_CHECK(!g.defined() || (g.dtype() == DType::f32 && g.numel() == p.unsharded.numel())) << "fsdp: gradient " << g.describe();
+    if (own && p.own_collective) {
+      // Its gradient is the input as it is (zeros when it got none).
+      own_inputs.emplace_back(&p, g.defined() ? g : Tensor::zeros({p.unsharded.numel()}, TensorOptions{}.with_category(MemoryCategory::communication_buffer)));
+      if (g.defined()) p.unsharded.set_grad(Tensor());
+      continue;
+    }
     for (int r = 0; r < world; ++r) {
       const RowSplit rs = split_rows(p.global_shape, r, world);
       char* dst = in + (r * s + p.shard_offset) * es;
@@ -255,14 +332,17 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
     }
     if (g.defined()) p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
   }
-  PendingReduce pending;
-  pending.out = Tensor::empty({s}, TensorOptions{}.with_category(MemoryCategory::gradient).with_dtype(rd));
-  pending.divide_factor = divide_factor;
-  pending.all_reduce_replicas = all_reduce_replicas;
-  const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
-  // The Work holds `flat` until the peers are done with it; this rank drops it here.
-  pending.work = pg_->reduce_scatter(pending.out, flat,
-                                     {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_)});
+  // The Works hold `flat` and the gradients until the peers are done with them; this rank drops them here.
+  if (s > 0) {
+    const Tensor out = s == shard_.numel() ? pending.out : pending.out.view(0, {s});
+    pending.works.push_back(pg_->reduce_scatter(out, flat, {.op = op, .timeout = timeout(),
+                                                            .tag = absl::StrCat("fsdp reduce_scatter ", name_)}));
+  }
+  for (const auto& [p, g] : own_inputs) {
+    pending.works.push_back(pg_->reduce_scatter(
+        pending.out.view(p->shard_offset, {p->padded_numel()}), g.view(0, {g.numel()}),
+        {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_, " ", p->names.front())}));
+  }
   pending_reduce_ = std::move(pending);
   return absl::OkStatus();
 }
@@ -271,7 +351,11 @@ absl::Status ParamGroup::finish_reduce_grads() {
   if (!pending_reduce_) return absl::OkStatus();
   PendingReduce pending = std::move(*pending_reduce_);
   pending_reduce_.reset();
-  if (absl::Status st = pending.work->wait(); !st.ok()) return st;
+  absl::Status wst;
+  for (const std::shared_ptr<comm::Work>& w : pending.works) {
+    if (absl::Status st = w->wait(); wst.ok()) wst = st;
+  }
+  if (!wst.ok()) return wst;
   // The reduced rows land f32 (Note [mixed precision on f32 ops]).
   const Tensor out = pending.out.dtype() == DType::f32 ? pending.out : pending.out.to(DType::f32, MemoryCategory::gradient);
   pending.out = Tensor();

@@ -6,12 +6,14 @@
 //   unshard   all_gather every rank's shard buffer (the parameters' rows and padding, contiguous: no copy-in)
 //             into a gather buffer [N × S]; wait() copies each parameter's rows out of it into the parameter's
 //             unsharded tensor (copy-out), frees the gather buffer, and swaps the module registrations to the
-//             unsharded tensors.
+//             unsharded tensors. Large parameters without padding skip the buffer (Note [own collectives] in
+//             param_group.cc).
 //   reshard   swaps the registrations back to the shards and releases the unsharded tensors' bytes.
 //   reduce    copies each unsharded gradient's rows, rank by rank, into a buffer [N × S] (zeros for padding and
 //             for parameters without a gradient), reduce_scatters it into [S], and gives each shard its rows as
 //             its gradient (added to a gradient already there: accumulation over steps); the unsharded
-//             gradients are released.
+//             gradients are released. Large parameters without padding are reduce-scattered straight from their
+//             gradients (Note [own collectives] in param_group.cc).
 //
 // Memory (ledger categories): the shard buffer and the unsharded tensors are `parameter`; the gather buffer and
 // the reduce_scatter input `communication_buffer`; the sharded gradients `gradient`. S includes padding:
@@ -20,6 +22,7 @@
 // Thread-safety: one rank's thread. Collectives: every rank calls unshard / reduce in the same order.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,7 +47,7 @@ class ParamGroup {
   // mixed_precision.h).
   ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
              std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout,
-             MixedPrecisionPolicy mp = {});
+             MixedPrecisionPolicy mp = {}, std::int64_t own_collective_min_numel = INT64_MAX);
   ParamGroup(const ParamGroup&) = delete;
   ParamGroup& operator=(const ParamGroup&) = delete;
 
@@ -57,8 +60,9 @@ class ParamGroup {
    private:
     friend class ParamGroup;
     ParamGroup* group_ = nullptr;
-    std::shared_ptr<comm::Work> work_;
-    Tensor gathered_;  // f32, or param_dtype (the shard was cast for the all-gather)
+    std::vector<std::shared_ptr<comm::Work>> works_;  // the shared all-gather first, then the own ones
+    Tensor gathered_;  // f32, or param_dtype (the shard was cast for the all-gather); undefined when not needed
+    bool own_ = false;  // own collectives gather into the unsharded buffer (Note [own collectives])
   };
   // Note [reshard to a k-group]
   // reshard_after_forward = k: after forward each rank keeps, besides its shard, its part of the parameters split
@@ -110,7 +114,10 @@ class ParamGroup {
   comm::ProcessGroup& process_group() const { return *pg_; }
 
  private:
-  absl::Status finish_unshard(const Tensor& gathered);
+  absl::Status finish_unshard(const Tensor& gathered, bool own);
+  // Whether this unshard / reduce uses own collectives (Note [own collectives]): f32 moved, whole group.
+  bool own_unshard(DType gather_dtype) const { return own_numel_ > 0 && !k_resharded_ && gather_dtype == DType::f32; }
+  bool own_reduce() const { return own_numel_ > 0 && mp_.reduce_in() == DType::f32; }
   absl::Duration timeout() const { return timeout_.value_or(pg_->default_timeout()); }
 
   std::string name_;
@@ -121,6 +128,10 @@ class ParamGroup {
   std::optional<absl::Duration> timeout_;
   MixedPrecisionPolicy mp_;
   Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
+  // Note [own collectives]: the parameters sharing a collective come first in shard_ ([0, shared_numel_)), those
+  // with their own after (own_numel_ elements).
+  std::int64_t shared_numel_ = 0;
+  std::int64_t own_numel_ = 0;
   Tensor full_;   // every unsharded parameter, back to back (released at rest); each one's `unsharded` views it
   bool unsharded_ = false;
   // Note [reshard to a k-group]
@@ -131,7 +142,7 @@ class ParamGroup {
   bool k_resharded_ = false;
   bool k_exact_ = true;  // the k-shards hold exact values (see unsharded_exact)
   struct PendingReduce {
-    std::shared_ptr<comm::Work> work;
+    std::vector<std::shared_ptr<comm::Work>> works;
     Tensor out;  // [S], the reduced rows of every parameter
     std::optional<double> divide_factor;
     bool all_reduce_replicas = true;

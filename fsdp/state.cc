@@ -54,7 +54,9 @@ constexpr std::int64_t kPendingForwards = 8;
 // and not yet reached by their forward or pre-backward hook); a prefetch beyond it is skipped. So besides the
 // units running (a unit, whose own gather may still be in flight while it issues its prefetches, and the units
 // it is nested in) and the root, at most that many units hold a gather buffer; a prefetched unit's parameters are
-// copied out of its gather buffer only when it runs, so the parameter peak is that without prefetch. The
+// copied out of its gather buffer only when it runs, so the parameter peak is that without prefetch (parameters
+// gathered in place by their own collectives count as communication buffer until then: Note [own collectives] in
+// param_group.cc). The
 // communication-buffer peak of a forward is at most (1 + max_prefetched_units) gather buffers of the largest
 // units (fsdp_prefetch_test asserts it). A prefetched unit not reached (not run in this forward or backward) is
 // resharded by the root's post-forward and by the final callback.

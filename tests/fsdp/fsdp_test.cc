@@ -38,6 +38,7 @@ struct Case {
   std::optional<std::variant<bool, int>> reshard_after_forward;
   Passes passes = Passes::one;
   bool nested = false;  // every block's MLP a unit of its own inside the block's unit
+  std::int64_t own_collective_min_numel = FullyShardOptions{}.own_collective_min_numel;
 };
 
 // Trains GPT-tiny for `steps` steps on `world` ranks (each on its rows) with every TransformerBlock a unit;
@@ -46,8 +47,9 @@ std::vector<std::vector<std::vector<float>>> TrainSharded(Case c, int steps) {
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(c.world));
   absl::Status st = comm::RunRanks(c.world, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    if (absl::Status s = test_util::ShardGpt(model, env, {.reshard_after_forward = c.reshard_after_forward}, c.nested);
-        !s.ok()) {
+    const FullyShardOptions options{.reshard_after_forward = c.reshard_after_forward,
+                                    .own_collective_min_numel = c.own_collective_min_numel};
+    if (absl::Status s = test_util::ShardGpt(model, env, options, c.nested); !s.ok()) {
       return s;
     }
     auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});  // the shards
@@ -89,6 +91,28 @@ TEST_P(FsdpGpt, EqualsSingleRankOnTheWholeBatch) {
   const auto [world, reshard, nested] = GetParam();
   static const auto want = gpt_tiny::Reference(20);
   gpt_tiny::ExpectMatches(TrainSharded({world, reshard, Passes::one, nested}, 20), want, 2e-5);
+}
+
+// Note [own collectives]: every parameter without padding gathered and reduced by a collective of its own (min
+// numel 1) trains to the same bits as one collective per unit (min numel INT64_MAX), at every N (N = 3 mixes both
+// kinds in a unit: some dim-0 sizes split evenly, some do not), with the forward's own gathers followed by a
+// k-group gather (reshard_after_forward = 2), and with two forwards before one backward.
+TEST(FsdpOwnCollectives, SameBitsAsOneCollectivePerUnit) {
+  std::vector<Case> cases;
+  for (const int world : {1, 2, 3, 4, 8}) {
+    for (const bool nested : {false, true}) cases.push_back({.world = world, .reshard_after_forward = true, .nested = nested});
+  }
+  cases.push_back({.world = 4, .reshard_after_forward = 2, .nested = true});
+  cases.push_back({.world = 2, .reshard_after_forward = false, .passes = Passes::two_forwards, .nested = true});
+  for (Case c : cases) {
+    SCOPED_TRACE(::testing::Message() << "n=" << c.world << " nested " << c.nested);
+    c.own_collective_min_numel = 1;
+    const auto own = TrainSharded(c, 6);
+    c.own_collective_min_numel = INT64_MAX;
+    const auto shared = TrainSharded(c, 6);
+    ASSERT_EQ(own.size(), shared.size());
+    for (std::size_t r = 0; r < own.size(); ++r) EXPECT_EQ(own[r], shared[r]) << "rank " << r;
+  }
 }
 
 // reshard_after_forward = k (Note [reshard to a k-group]): k = 2 at N = 4 and 8, k = 4 at N = 8, units per block or
@@ -584,11 +608,17 @@ TEST(FsdpErrors, ReshardInsideAForwardNamesBothStates) {
 // Bytes sent per rank per step, exactly (Note [ring-equivalent volume]): every unit all-gathered before its forward
 // ((N-1)·4S), the blocks again before their backward (reshard_after_forward true; the root keeps its parameters),
 // every unit's gradients reduce-scattered ((N-1)·4S): the 3Ψ class, and 2Ψ with reshard_after_forward false.
+// Own collectives (Note [own collectives], every parameter without padding: min numel 1) move the same bytes in
+// more calls; with INT64_MAX every unit makes one all_gather per pass.
 TEST(FsdpComm, BytesPerStepAreTheThreePsiClass) {
   for (const bool reshard : {true, false}) {
+   for (const std::int64_t own_min : {std::int64_t{1}, std::int64_t{INT64_MAX}}) {
+    SCOPED_TRACE(::testing::Message() << "own_collective_min_numel " << own_min);
     absl::Status st = comm::RunRanks(4, [&](comm::RankEnv& env) -> absl::Status {
       nn::GPT model(TinyConfig(), 1);
-      if (absl::Status s = test_util::ShardGpt(model, env, {.reshard_after_forward = reshard}); !s.ok()) return s;
+      const FullyShardOptions options{.reshard_after_forward = reshard, .own_collective_min_numel = own_min};
+      if (absl::Status s = test_util::ShardGpt(model, env, options); !s.ok()) return s;
+      const std::int64_t units = static_cast<std::int64_t>(modules_of_type(model, "TransformerBlock").size()) + 1;
       std::int64_t all = 0, blocks = 0;  // S summed over units (padding included)
       for (nn::Module* m : modules_of_type(model, "TransformerBlock")) blocks += state_of(*m)->state().param_group()->shard_numel();
       all = blocks + state_of(model)->state().param_group()->shard_numel();
@@ -598,12 +628,20 @@ TEST(FsdpComm, BytesPerStepAreTheThreePsiClass) {
       (*opt)->zero_grad();
       if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
-      const std::int64_t sent = env.group.counters().since(before).total_sent();
+      const comm::CommCounters step = env.group.counters().since(before);
       // (N - 1) = 3 ranks' worth of 4-byte elements: forward gathers, backward regathers, reduce-scatters.
-      EXPECT_EQ(sent, 3 * 4 * (all + (reshard ? blocks : 0) + all)) << "reshard " << reshard;
+      EXPECT_EQ(step.total_sent(), 3 * 4 * (all + (reshard ? blocks : 0) + all)) << "reshard " << reshard;
+      const std::int64_t gathers = step.of(comm::CollectiveKind::all_gather).calls;
+      const std::int64_t unit_gathers = units + (reshard ? units - 1 : 0);
+      if (own_min == INT64_MAX) {
+        EXPECT_EQ(gathers, unit_gathers) << "reshard " << reshard;
+      } else {
+        EXPECT_GT(gathers, unit_gathers) << "reshard " << reshard;
+      }
       return absl::OkStatus();
     });
     EXPECT_TRUE(st.ok()) << st;
+   }
   }
 }
 
