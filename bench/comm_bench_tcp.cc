@@ -118,6 +118,7 @@ TcpProcessGroupOptions group_options() {
   TcpProcessGroupOptions o;
   o.store_prefix = "bench";
   o.default_timeout = absl::Seconds(120);
+  o.transport = "tcp";  // on one host "auto" would pick shared memory (comm_bench_shm.cc)
   return o;
 }
 

@@ -1,7 +1,9 @@
 // train_bench_tcp: train_bench's cases (train_bench.cc: every strategy at N = 2 and 4 on GPT "gpt-10m",
-// interleaved with the DDP step, the same counters) with the ranks as processes over the TCP backend.
+// interleaved with the DDP step, the same counters) with the ranks as processes over the process group, once
+// over TCP (names ending "/tcp") and once over shared memory (SHARDKIT_TRANSPORT's "shm", names ending "/shm").
 //
 //   build/bench/train_bench_tcp [--benchmark_filter=fsdp]
+//   build/bench/train_bench_tcp --benchmark_filter='sddp_flat/gpt-10m/n2/'   # against train_bench's threads
 //
 // This process is rank 0 of every case and reports; each rank runs the same per-rank code as train_bench
 // (train_step.h: RunTrainRank), so the two measure the same step and differ only in the backend and in ranks
@@ -62,9 +64,10 @@ constexpr absl::Duration kCallTimeout = absl::Seconds(60);
 constexpr absl::Duration kConnectTimeout = absl::Seconds(60);
 constexpr absl::Duration kPeerGrace = absl::Seconds(30);
 
-// Rank 0's group and the peers' (through init_from_env) agree on these.
-comm::TcpProcessGroupOptions GroupOptions() {
+// Rank 0's group and the peers' (through init_from_env) agree on these; `transport` is "tcp" or "shm".
+comm::TcpProcessGroupOptions GroupOptions(const std::string& transport) {
   comm::TcpProcessGroupOptions o;
+  o.transport = transport;
   o.listen_host = "127.0.0.1";
   o.store_prefix = "train_bench";
   o.default_timeout = kCallTimeout;
@@ -82,7 +85,7 @@ class PeerProcesses {
 
   // Starts ranks 1..world-1 of `strategy_label` against the store at 127.0.0.1:port. On error the peers
   // started so far stay in *this (Finish ends them).
-  absl::Status Start(int world, std::uint16_t port, std::string_view strategy_label) {
+  absl::Status Start(int world, std::uint16_t port, std::string_view strategy_label, const std::string& transport) {
     char exe[4096];
     const ssize_t len = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     if (len <= 0) {
@@ -102,7 +105,7 @@ class PeerProcesses {
       if (!launcher) base_env.emplace_back(kv);
     }
     for (int rank = 1; rank < world; ++rank) {
-      std::vector<std::string> args = {exe, kPeerFlag, std::string(strategy_label), parent};
+      std::vector<std::string> args = {exe, kPeerFlag, std::string(strategy_label), parent, transport};
       std::vector<std::string> env = base_env;
       env.push_back(absl::StrCat("RANK=", rank));
       env.push_back(absl::StrCat("LOCAL_RANK=", rank));
@@ -196,7 +199,8 @@ class PeerProcesses {
 };
 
 // Rank 0 of one case (Note [train_bench_tcp failures]).
-void BM_TrainStepTcp(benchmark::State& state, int world, TrainStrategy strategy, const char* label) {
+void BM_TrainStepTcp(benchmark::State& state, int world, TrainStrategy strategy, const char* label,
+                     const std::string& transport) {
   auto fail = [&](const absl::Status& s) { state.SkipWithError(s.ToString().c_str()); };
   comm::TcpStoreOptions so;
   so.is_server = true;
@@ -206,8 +210,8 @@ void BM_TrainStepTcp(benchmark::State& state, int world, TrainStrategy strategy,
   const std::uint16_t port = (*store)->port();
   std::shared_ptr<comm::Store> shared_store(std::move(*store));
   PeerProcesses peers;
-  if (absl::Status s = peers.Start(world, port, label); !s.ok()) return fail(s);
-  auto group = comm::TcpProcessGroup::create(shared_store, 0, world, GroupOptions());
+  if (absl::Status s = peers.Start(world, port, label, transport); !s.ok()) return fail(s);
+  auto group = comm::TcpProcessGroup::create(shared_store, 0, world, GroupOptions(transport));
   if (!group.ok()) {
     const absl::Status ends = peers.Finish(absl::ZeroDuration());
     return fail(absl::Status(group.status().code(), absl::StrCat(group.status().message(), " [", ends.message(), "]")));
@@ -227,13 +231,14 @@ int PeerMain(int argc, char** argv) {
   // Die with rank 0; it may have died before the line above took effect, leaving this process re-parented.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   int parent = 0;
-  if (argc != 4 || !absl::SimpleAtoi(argv[3], &parent) || ::getppid() != parent) {
-    std::fprintf(stderr, "train_bench_tcp: expected `%s STRATEGY PARENT_PID` from a running parent\n", kPeerFlag);
+  if (argc != 5 || !absl::SimpleAtoi(argv[3], &parent) || ::getppid() != parent) {
+    std::fprintf(stderr, "train_bench_tcp: expected `%s STRATEGY PARENT_PID TRANSPORT` from a running parent\n",
+                 kPeerFlag);
     return 2;
   }
   auto strategy = bench::TrainStrategyNamed(argv[2]);
   comm::InitFromEnvOptions options;
-  options.group = GroupOptions();
+  options.group = GroupOptions(argv[4]);
   options.store_connect_timeout = kConnectTimeout;
   absl::Status st = strategy.status();
   if (st.ok()) {
@@ -251,13 +256,15 @@ int PeerMain(int argc, char** argv) {
 }
 
 void RegisterAll() {
-  for (int world : {2, 4}) {
-    for (const auto& [strategy, label] : bench::TrainStrategies()) {
-      const std::string name = absl::StrCat(label, "/gpt-10m/n", world, "/tcp");
-      benchmark::RegisterBenchmark(name.c_str(), BM_TrainStepTcp, world, strategy, label)
-          ->UseManualTime()
-          ->Iterations(kIterations)
-          ->Unit(benchmark::kMillisecond);
+  for (const std::string transport : {"tcp", "shm"}) {
+    for (int world : {2, 4}) {
+      for (const auto& [strategy, label] : bench::TrainStrategies()) {
+        const std::string name = absl::StrCat(label, "/gpt-10m/n", world, "/", transport);
+        benchmark::RegisterBenchmark(name.c_str(), BM_TrainStepTcp, world, strategy, label, transport)
+            ->UseManualTime()
+            ->Iterations(kIterations)
+            ->Unit(benchmark::kMillisecond);
+      }
     }
   }
 }
