@@ -66,9 +66,11 @@ void add_into(const Tensor& acc, const Tensor& x) {
 // reduce, when reduce_dtype is f32; otherwise the whole unit goes through the buffers as before.
 // Memory: while own gathers are in flight the unsharded buffer is charged as MemoryCategory::communication_buffer
 // (it is the gather output), and becomes `parameter` when the unshard is waited for, so the ledger tells the same
-// story as with a gather buffer (a prefetched unit's parameters are not charged before it runs), with N × S
-// bytes in flight at most as before. A gradient handed to its own reduce_scatter is released by this rank at once
-// and held by the collective until the peers are done (as the shared buffer is).
+// story as with a gather buffer (a prefetched unit's parameters are not charged before it runs); in flight are the
+// unsharded buffer (N × S less padding) plus the shared parameters' gather buffer (the small ones), slightly more
+// than the N × S of one gather buffer. A gradient handed to its own reduce_scatter is released by this rank at once
+// and held by the collective until the peers are done (as the shared buffer is), charged as `gradient` meanwhile
+// (the copy it replaces was a communication buffer).
 
 ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
                        std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout,
