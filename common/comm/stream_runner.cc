@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -57,9 +58,40 @@ bool StreamRunner::copy_some(std::size_t max_bytes) {
   return true;
 }
 
-absl::Status StreamRunner::run(const Streams& streams) {
-  const std::vector<StreamSend>& sends = streams.sends;
-  const std::vector<StreamRecv>& recvs = streams.recvs;
+namespace {
+
+// Note [shm stream alignment]
+// Reducing straight out of a shared ring reads the peer's elements in place, so they must sit at addresses
+// aligned for their type. A stream through a ring of the default size (a multiple of 8 bytes, page-aligned) keeps
+// that when every call's stream is a multiple of 8 bytes long, which it is not by itself (a barrier sends one
+// byte per rank; a bf16 tensor of odd length): so over a peekable pair (shared memory) both ends pad each call's
+// stream to a multiple of kStreamAlign bytes, the sender with zeros, the receiver into a scratch it ignores.
+// Over TCP nothing changes on the wire. An element that still sits misaligned (a ring of odd size, as tests use)
+// is copied to the aligned scratch before it is reduced.
+constexpr std::size_t kStreamAlign = 8;
+constexpr char kZeros[kStreamAlign] = {};
+
+std::size_t pad_for(std::size_t bytes) { return (kStreamAlign - bytes % kStreamAlign) % kStreamAlign; }
+
+}  // namespace
+
+absl::Status StreamRunner::run(const Streams& planned) {
+  // Note [shm stream alignment].
+  const Streams* use = &planned;
+  Streams padded;
+  std::size_t send_bytes = 0, recv_bytes = 0;
+  for (const auto& c : planned.sends) send_bytes += c.bytes;
+  for (const auto& c : planned.recvs) recv_bytes += c.bytes;
+  const bool pad_send = send_pair != nullptr && send_pair->peekable() && pad_for(send_bytes) > 0;
+  const bool pad_recv = recv_pair != nullptr && recv_pair->peekable() && pad_for(recv_bytes) > 0;
+  if (pad_send || pad_recv) {
+    padded = planned;
+    if (pad_send) padded.sends.push_back({kZeros, pad_for(send_bytes), -1});
+    if (pad_recv) padded.recvs.push_back({pad_in_, pad_for(recv_bytes), StreamRecvMode::kCopy, false, nullptr});
+    use = &padded;
+  }
+  const std::vector<StreamSend>& sends = use->sends;
+  const std::vector<StreamRecv>& recvs = use->recvs;
   for (const auto& c : sends) send_total_ += c.bytes;
   for (const auto& c : recvs) recv_total_ += c.bytes;
   const int send_fd = send_pair ? send_pair->poll_fd() : -1;
@@ -210,7 +242,13 @@ absl::StatusOr<std::size_t> StreamRunner::reduce_from_peek(const StreamRecv& c, 
     if (!p.ok()) return p.status();
     const std::size_t whole = p->second / elem * elem;
     if (whole > 0) {
-      tcp_reduce::combine(out + roff, c.dst + roff, p->first, whole / elem, dtype, kind, div);
+      const char* src = p->first;
+      if (reinterpret_cast<std::uintptr_t>(src) % elem != 0) {
+        // Misaligned in the ring (Note [shm stream alignment]): copy first; scratch holds a whole chunk.
+        std::memcpy(scratch, src, whole);
+        src = scratch;
+      }
+      tcp_reduce::combine(out + roff, c.dst + roff, src, whole / elem, dtype, kind, div);
       recv_pair->consume(whole);
       roff += whole;
       return whole;

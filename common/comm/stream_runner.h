@@ -88,7 +88,8 @@ class StreamRunner {
   std::string closed_peers() const;
   absl::Status timed_out(bool sending, bool receiving) const;
 
-  char part_[8] = {};          // an element split across a ring's end (reduce_from_peek)
+  alignas(8) char part_[8] = {};    // an element split across a ring's end (reduce_from_peek)
+  alignas(8) char pad_in_[8] = {};  // the padding a peekable pair's stream ends with (stream_runner.cc)
   std::size_t part_len_ = 0;
   std::size_t sent_bytes_ = 0, recv_bytes_ = 0, send_total_ = 0, recv_total_ = 0;
 };
