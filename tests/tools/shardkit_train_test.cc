@@ -150,7 +150,7 @@ TEST(ShardkitTrain, ShardrunTcpEqualsThreads) {
   for (const std::string strategy : {"sddp", "oss", "ddp", "fsdp"}) {
     SCOPED_TRACE(strategy);
     const std::vector<std::string> args = {"--strategy", strategy, "--steps", "20", "--model", "tiny", "--sample", "0"};
-    std::vector<std::string> tcp = {SHARDRUN_PATH, "--nproc", "2", "--", SHARDKIT_TRAIN_PATH};
+    std::vector<std::string> tcp = {SHARDRUN_PATH, "--nproc", "2", "--", SHARDKIT_TRAIN_PATH, "--backend", "tcp"};
     tcp.insert(tcp.end(), args.begin(), args.end());
     const auto over_tcp = testing::run_command(tcp, kDeadline);
     ASSERT_EQ(over_tcp.exit_code, 0) << over_tcp.out << over_tcp.err;

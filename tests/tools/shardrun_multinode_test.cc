@@ -54,8 +54,9 @@ std::vector<std::string> node(int node_rank, int port, const std::vector<std::st
 }
 
 TEST(ShardrunNodes, TwoNodesOfTwoRanksTrainLikeFourThreads) {
-  const std::vector<std::string> train = {SHARDKIT_TRAIN_PATH, "--strategy", "sddp", "--steps", "12",
-                                          "--model", "tiny", "--sample", "0"};
+  // --backend tcp: the two "nodes" share this host, where the default would pick shared memory.
+  const std::vector<std::string> train = {SHARDKIT_TRAIN_PATH, "--backend", "tcp", "--strategy", "sddp", "--steps",
+                                          "12", "--model", "tiny", "--sample", "0"};
   const int port = free_port();
   ASSERT_GT(port, 0);
   const std::vector<std::pair<std::string, std::string>> token = {{"SHARDKIT_STORE_TOKEN", "shared-by-both-nodes"}};
@@ -73,6 +74,28 @@ TEST(ShardrunNodes, TwoNodesOfTwoRanksTrainLikeFourThreads) {
   const double want = std::stod(Field(in_process.out, "final loss: "));
   const double got = std::stod(Field(first.out, "final loss: "));
   EXPECT_NEAR(got, want, 1e-5 * want);  // a TCP ring sums in another order than threads: fp32 tolerance
+}
+
+// shardkit-train's --backend on one host: shm for every pair (and the default, which picks it here) train to
+// the loss of threads; --backend tcp is what the two-node test above uses.
+TEST(ShardkitTrainBackends, SharedMemoryProcessesTrainLikeThreads) {
+  const std::vector<std::string> args = {"--strategy", "fsdp", "--steps", "12", "--model", "tiny", "--sample", "0"};
+  std::vector<std::string> threads = {SHARDKIT_TRAIN_PATH, "--ranks", "2"};
+  threads.insert(threads.end(), args.begin(), args.end());
+  const auto in_process = testing::run_command(threads, kDeadline);
+  ASSERT_EQ(in_process.exit_code, 0) << in_process.err;
+  const double want = std::stod(Field(in_process.out, "final loss: "));
+  for (const std::string backend : {"shm", ""}) {
+    SCOPED_TRACE(backend);
+    std::vector<std::string> argv = {SHARDRUN_PATH, "--nproc", "2", "--", SHARDKIT_TRAIN_PATH};
+    if (!backend.empty()) argv.insert(argv.end(), {"--backend", backend});
+    argv.insert(argv.end(), args.begin(), args.end());
+    const auto r = testing::run_command(argv, kDeadline);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr(backend.empty() ? "(processes, shared memory on a host, TCP between hosts)"
+                                                 : "(processes, shared memory)"));
+    EXPECT_NEAR(std::stod(Field(r.out, "final loss: ")), want, 1e-5 * want);
+  }
 }
 
 TEST(ShardrunNodes, NodeOneRunsGlobalRanksTwoAndThree) {

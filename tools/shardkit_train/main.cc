@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
   }
 
   if (is_rank0) {
-    std::printf("%s", st::run_header(o, o.strategy, *model, *corpus, o.ranks, !under_launcher ? "threads" : o.backend == st::Backend::mpi ? "processes, MPI" : "processes, TCP").c_str());
+    std::printf("%s", st::run_header(o, o.strategy, *model, *corpus, o.ranks, st::backend_label(o.backend, under_launcher)).c_str());
     if (resume) std::printf("  resuming from %s at step %s\n", st::checkpoint_path(o.checkpoint_dir).c_str(), resume->meta["step"].c_str());
     if (init) std::printf("  initialised from %s (GPT-2 names)\n", o.init_from.c_str());
     std::fflush(stdout);

@@ -10,6 +10,17 @@
 
 namespace shardkit::train {
 
+std::string backend_label(Backend b, bool processes) {
+  if (!processes) return "threads";
+  switch (b) {
+    case Backend::tcp: return "processes, TCP";
+    case Backend::shm: return "processes, shared memory";
+    case Backend::mpi: return "processes, MPI";
+    case Backend::automatic: break;
+  }
+  return "processes, shared memory on a host, TCP between hosts";
+}
+
 std::string strategy_name(Strategy s) {
   switch (s) {
     case Strategy::ddp: return "ddp";
@@ -185,8 +196,9 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       auto v = next();
       if (!v.ok()) return v.status();
       if (*v == "tcp") o.backend = Backend::tcp;
+      else if (*v == "shm") o.backend = Backend::shm;
       else if (*v == "mpi") o.backend = Backend::mpi;
-      else return bad(flag, "tcp or mpi", *v);
+      else return bad(flag, "tcp, shm or mpi", *v);
     } else if (flag == "--seed") {
       st = int_flag(o.seed, 0, "a seed >= 0");
     } else if (flag == "--data") {
@@ -275,8 +287,9 @@ std::string usage() {
       "  --precision fp32|bf16   bf16: mixed precision for every strategy: forward and backward on the parameters'\n"
       "                          values rounded to bf16 (f32 arithmetic on CPU), gradients reduced in bf16 (fsdp:\n"
       "                          all-gathers too), f32 master parameters and AdamW state (default fp32)\n"
-      "  --backend tcp|mpi       process ranks only: tcp (default; shardrun, or mpirun / srun with the store at\n"
-      "                          MASTER_ADDR) or mpi (under mpirun: mpirun -np 4 shardkit-train --backend mpi)\n"
+      "  --backend tcp|shm|mpi   process ranks only (shardrun, or mpirun / srun with the store at MASTER_ADDR): by\n"
+      "                          default shared memory between ranks on one host and TCP between hosts; tcp or shm\n"
+      "                          for every pair; mpi under mpirun (mpirun -np 4 shardkit-train --backend mpi)\n"
       "  --seed N                model init and data order (default 1)\n"
       "  --data FILE             train on FILE's bytes instead of the embedded corpus (a regular file of at most\n"
       "                          1 GiB: it is read whole)\n"

@@ -18,11 +18,16 @@ namespace shardkit::train {
 
 enum class Strategy { ddp, oss, sddp, fsdp };
 enum class Precision { fp32, bf16 };
-// How process ranks talk (ignored for threads): TCP through the store that init_from_env connects (shardrun,
-// torchrun-style variables, mpirun / Slurm with MASTER_ADDR defaults), or MPI (under mpirun).
-enum class Backend { tcp, mpi };
+// How process ranks talk (ignored for threads). automatic: init_from_env's group, shared memory between ranks on
+// one host and TCP between hosts (shm_rendezvous.h); tcp / shm: that transport for every pair; mpi: the MPI
+// backend (under mpirun).
+enum class Backend { automatic, tcp, shm, mpi };
 
 std::string strategy_name(Strategy s);
+// The run header's words for how the ranks talk: "threads" unless `processes`; else "processes, TCP",
+// "processes, shared memory", "processes, MPI", or for automatic "processes, shared memory on a host, TCP
+// between hosts".
+std::string backend_label(Backend b, bool processes);
 // The strategies this build has (sddp / fsdp only when those layers are built).
 std::vector<Strategy> available_strategies();
 
@@ -73,7 +78,7 @@ struct Options {
   std::int64_t batch = 4;     // sequences per rank per step, in [1, kMaxBatch]
   double lr = 3e-3;
   Precision precision = Precision::fp32;
-  Backend backend = Backend::tcp;  // --backend tcp|mpi
+  Backend backend = Backend::automatic;  // --backend tcp|shm|mpi
   std::uint64_t seed = 1;
   std::string data;           // empty: the embedded corpus
   std::string checkpoint_dir; // empty: no checkpoints

@@ -664,6 +664,8 @@ absl::StatusOr<std::optional<RunResult>> run_process(const Options& o, Strategy 
                                                      const nn::StateDict* init) {
   comm::InitFromEnvOptions tcp;
   tcp.timeout = o.timeout;
+  if (o.backend == Backend::tcp) tcp.group.transport = "tcp";
+  if (o.backend == Backend::shm) tcp.group.transport = "shm";
   comm::MpiOptions mpi;
   if (o.timeout) mpi.default_timeout = *o.timeout;
   auto pg = o.backend == Backend::mpi ? comm::create_mpi_world(mpi) : comm::init_from_env(tcp);
