@@ -51,7 +51,7 @@ TEST(ShardkitTrainMpi, BackendMpiWithoutMpirunIsAnError) {
   EXPECT_THAT(r.err, HasSubstr("--backend mpi: expected to be started by mpirun"));
   const auto bad = testing::run_command({SHARDKIT_TRAIN_PATH, "--backend", "gloo"}, kDeadline);
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_THAT(bad.err, HasSubstr("tcp or mpi"));
+  EXPECT_THAT(bad.err, HasSubstr("tcp, shm or mpi"));
 }
 
 }  // namespace
