@@ -429,11 +429,12 @@ TEST(FsdpDataDependent, AParameterUsedOnSomeRanksOnly) {
 // A backward that throws half-way (here a user's hook on block 0's output, after the later blocks were
 // reduced) leaves nothing behind: the following steps equal those of a run that skipped the failed step.
 TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
-  auto run = [](bool fail_first) {
+  std::int64_t own_min = FullyShardOptions{}.own_collective_min_numel;
+  auto run = [&](bool fail_first) {
     std::vector<std::vector<std::vector<float>>> got(2);
     absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
       nn::GPT model(TinyConfig(), 1);
-      if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+      if (absl::Status s = test_util::ShardGpt(model, env, {.own_collective_min_numel = own_min}); !s.ok()) return s;
       auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
       bool armed = fail_first;
       std::vector<autograd::HookHandle> throwing;
@@ -467,6 +468,11 @@ TEST(FsdpErrors, AFailedBackwardDoesNotDisturbLaterSteps) {
   const auto clean = run(false);
   const auto failed = run(true);
   EXPECT_EQ(failed, clean);
+  // The same with own collectives (Note [own collectives]): reduce-scatters of gradients dropped in flight.
+  own_min = 1;
+  const auto own_clean = run(false);
+  EXPECT_EQ(own_clean, clean);
+  EXPECT_EQ(run(true), own_clean);
 }
 
 // Between summon_full_params() and reshard(), forwards communicate nothing: rank 0 alone can sample from the model.
