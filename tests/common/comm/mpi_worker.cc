@@ -9,8 +9,9 @@
 //                        "ERROR <ms> ms: <status>" (rank n-1: "ABORTED")
 //   mpi_worker stall     rank 1 never joins an all_reduce with a 2 s timeout; the others print
 //                        "ERROR <ms> ms: <status>", rank 1 "STALLED"
-// After a failure the ranks meet on a second world group (a fresh communicator: MPI is still usable) so every
-// rank prints before mpirun ends the job (a process that exits without MPI_Finalize ends it).
+// After a failure each rank prints its line, then the ranks meet on a second world group (a fresh communicator:
+// MPI is still usable), so no rank exits (and makes mpirun end the job: a process that exits without MPI_Finalize
+// ends it) before every rank has printed.
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -153,8 +154,9 @@ int main(int argc, char** argv) {
       std::printf("NO ERROR\n");
       return 0;
     }
+    const int rc = report_error(st, start);  // print first: once the ranks met, mpirun may end the others
     meet_again();
-    return report_error(st, start);
+    return rc;
   }
   if (mode == "abort") {
     Tensor t = Tensor::full({1 << 16}, 1.0, {});
@@ -173,13 +175,15 @@ int main(int argc, char** argv) {
       std::printf("NO ERROR\n");
       return 0;
     }
+    const int rc = report_error(st, start);  // print first: once the ranks met, mpirun may end the others
     meet_again();
-    return report_error(st, start);
+    return rc;
   }
   if (mode == "stall") {
     if (r == 1) {  // never joins the all_reduce; meets the others once they gave up
-      meet_again();
       std::printf("STALLED\n");
+      std::fflush(stdout);
+      meet_again();
       return 3;
     }
     Tensor t = Tensor::full({1000}, 1.0, {});
@@ -188,8 +192,9 @@ int main(int argc, char** argv) {
       std::printf("NO ERROR\n");
       return 0;
     }
+    const int rc = report_error(st, start);  // print first: once the ranks met, mpirun may end the others
     meet_again();
-    return report_error(st, start);
+    return rc;
   }
   return 64;
 }
