@@ -16,7 +16,9 @@ namespace {
 
 std::string ErrnoText(int err) { return std::error_code(err, std::generic_category()).message(); }
 
-const char* FileKind(mode_t mode) {
+}  // namespace
+
+const char* file_kind_name(mode_t mode) {
   if (S_ISDIR(mode)) return "a directory";
   if (S_ISFIFO(mode)) return "a FIFO";
   if (S_ISCHR(mode)) return "a character device";
@@ -24,8 +26,6 @@ const char* FileKind(mode_t mode) {
   if (S_ISSOCK(mode)) return "a socket";
   return "not a regular file";
 }
-
-}  // namespace
 
 absl::StatusOr<MappedFile> MappedFile::open(const std::string& path) {
   // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer before fstat can refuse it.
@@ -44,7 +44,7 @@ absl::StatusOr<MappedFile> MappedFile::open(const std::string& path) {
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
     return absl::FailedPreconditionError(
-        absl::StrCat("expected '", path, "' to be a regular file, found ", FileKind(st.st_mode)));
+        absl::StrCat("expected '", path, "' to be a regular file, found ", file_kind_name(st.st_mode)));
   }
   MappedFile file;
   file.path_ = path;

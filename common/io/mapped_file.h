@@ -17,6 +17,8 @@
 // Thread-safety: the bytes may be read from any thread; the object itself is not synchronised.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <string>
 
@@ -24,6 +26,10 @@
 #include "absl/types/span.h"
 
 namespace shardkit::io {
+
+// What a non-regular file is, for messages: "a directory", "a FIFO", "a character device", "a block device",
+// "a socket", else "not a regular file".
+const char* file_kind_name(mode_t mode);
 
 class MappedFile {
  public:

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/io/mapped_file.h"
 #include "common/tensor/random.h"
 #include "tools/shardkit_train/options.h"
 
@@ -23,15 +24,6 @@ std::uint64_t fnv1a64(const void* data, std::size_t n, std::uint64_t h) {
 }
 
 namespace {
-
-const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
 
 // Note [--data bounds]: the file is opened without blocking (a FIFO with no writer would block open() forever),
 // then fstat of the opened descriptor decides (no race with a path swapped after a check): a regular file of at
@@ -49,7 +41,7 @@ absl::StatusOr<std::string> read_data_file(const std::string& path) {
   }
   if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("expected --data to name a regular file, found ", file_kind(st.st_mode), ": '", path, "'"));
+        absl::StrCat("expected --data to name a regular file, found ", io::file_kind_name(st.st_mode), ": '", path, "'"));
   }
   if (st.st_size > kMaxDataBytes) {
     return absl::InvalidArgumentError(absl::StrCat("expected a data file of at most ", kMaxDataBytes,
