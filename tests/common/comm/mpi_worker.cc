@@ -44,6 +44,13 @@ void meet_again() {
   if (fresh.ok()) (void)(*fresh)->barrier()->wait();
 }
 
+// A failed rank's exit: its line first (once the ranks met, mpirun may end the others), then the meeting.
+int report_and_meet(const absl::Status& st, absl::Time start) {
+  const int rc = report_error(st, start);
+  meet_again();
+  return rc;
+}
+
 std::vector<std::string> in_place_and_p2p(ProcessGroup& pg) {
   std::vector<std::string> errors;
   const int n = pg.size(), r = pg.rank();
@@ -154,9 +161,7 @@ int main(int argc, char** argv) {
       std::printf("NO ERROR\n");
       return 0;
     }
-    const int rc = report_error(st, start);  // print first: once the ranks met, mpirun may end the others
-    meet_again();
-    return rc;
+    return report_and_meet(st, start);
   }
   if (mode == "abort") {
     Tensor t = Tensor::full({1 << 16}, 1.0, {});
@@ -175,9 +180,7 @@ int main(int argc, char** argv) {
       std::printf("NO ERROR\n");
       return 0;
     }
-    const int rc = report_error(st, start);  // print first: once the ranks met, mpirun may end the others
-    meet_again();
-    return rc;
+    return report_and_meet(st, start);
   }
   if (mode == "stall") {
     if (r == 1) {  // never joins the all_reduce; meets the others once they gave up
@@ -192,9 +195,7 @@ int main(int argc, char** argv) {
       std::printf("NO ERROR\n");
       return 0;
     }
-    const int rc = report_error(st, start);  // print first: once the ranks met, mpirun may end the others
-    meet_again();
-    return rc;
+    return report_and_meet(st, start);
   }
   return 64;
 }
