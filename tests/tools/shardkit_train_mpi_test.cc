@@ -8,21 +8,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tools/subprocess.h"
+#include "tests/tools/train_output.h"
 
 namespace shardkit {
 namespace {
 
+using shardkit::testing::Field;
+
 using ::testing::HasSubstr;
 
 constexpr double kDeadline = 240;
-
-// The value after `key` on the last line that starts with it.
-std::string Field(const std::string& out, const std::string& key) {
-  const auto at = out.rfind("\n" + key);
-  if (at == std::string::npos) return "";
-  const auto start = at + 1 + key.size();
-  return out.substr(start, out.find('\n', start) - start);
-}
 
 // mpirun as root (CI containers), and no LeakSanitizer in sanitizer builds: Open MPI leaves allocations behind and
 // unloads its plugins in MPI_Finalize, so they cannot be suppressed (as in tests/common/comm/mpi_worker.cc). The

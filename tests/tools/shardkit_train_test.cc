@@ -25,9 +25,12 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/tools/subprocess.h"
+#include "tests/tools/train_output.h"
 
 namespace shardkit {
 namespace {
+
+using shardkit::testing::Field;
 
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
@@ -44,18 +47,6 @@ std::string TempDir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("shardkit_train_test_" + std::to_string(::getpid()) + "_" + name);
   fs::remove_all(p);
   return p.string();
-}
-
-// The value after `key` on the (last) line that starts with it, e.g. Field(out, "parameter digest: ").
-std::string Field(const std::string& out, const std::string& key) {
-  std::string value;
-  std::size_t pos = 0;
-  while ((pos = out.find(key, pos)) != std::string::npos) {
-    const std::size_t end = out.find('\n', pos);
-    value = out.substr(pos + key.size(), end - pos - key.size());
-    pos = end;
-  }
-  return value;
 }
 
 std::string ReadBytes(const std::string& path) {

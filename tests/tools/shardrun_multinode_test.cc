@@ -13,20 +13,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/tools/subprocess.h"
+#include "tests/tools/train_output.h"
 
 namespace shardkit {
 namespace {
 
+using shardkit::testing::Field;
+
 using ::testing::HasSubstr;
 
 constexpr double kDeadline = 240;
-
-std::string Field(const std::string& out, const std::string& key) {
-  const auto at = out.rfind(key);
-  if (at == std::string::npos) return "";
-  const auto start = at + key.size();
-  return out.substr(start, out.find('\n', start) - start);
-}
 
 // A port the kernel just handed out (free now; the test's two nodes use it right away).
 int free_port() {
