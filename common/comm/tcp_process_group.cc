@@ -151,6 +151,12 @@ absl::Status TcpProcessGroup::fail_group(const absl::Status& reason, bool post) 
   return first;
 }
 
+std::string TcpProcessGroup::backend_name() const {
+  const bool shm = std::find(kinds_.begin(), kinds_.end(), "shm") != kinds_.end();
+  const bool tcp = std::find(kinds_.begin(), kinds_.end(), "tcp") != kinds_.end();
+  return shm ? (tcp ? "tcp+shm" : "shm") : "tcp";
+}
+
 void TcpProcessGroup::abort(const absl::Status& reason) {
   fail_group(reason.ok() ? absl::AbortedError("aborted") : reason, true).IgnoreError();
 }

@@ -110,7 +110,10 @@ class TcpProcessGroup final : public ProcessGroup {
                                                                  TcpProcessGroupOptions options = {});
   ~TcpProcessGroup() override;
 
-  std::string backend_name() const override { return "tcp"; }
+  // The transports of this rank's pairs: "shm" (every pair over shared memory), "tcp" (every pair over TCP, or
+  // no pair: a group of one) or "tcp+shm" (both). Ranks of one group can differ: with two ranks on host A and one
+  // on host B, A's ranks report "tcp+shm" and B's "tcp".
+  std::string backend_name() const override;
   void abort(const absl::Status& reason) override;
   const TcpProcessGroupOptions& options() const { return options_; }
   // The transport to group rank `peer`: "shm" or "tcp" (empty for this rank).

@@ -115,6 +115,46 @@ TEST(ShmTransport, TcpOverrideUsesTcpOnOneHost) {
       });
 }
 
+TEST(ShmTransport, BackendNameNamesTheTransportsOfTheRanksPairs) {
+  // One host, auto: every pair is shared memory.
+  run_ranks(
+      2, [](int) { return base_options(); },
+      [](int, absl::StatusOr<std::shared_ptr<TcpProcessGroup>>& pg) {
+        ASSERT_TRUE(pg.ok()) << pg.status();
+        EXPECT_EQ((*pg)->backend_name(), "shm");
+      });
+  // One host, tcp forced: every pair is TCP.
+  run_ranks(
+      2,
+      [](int) {
+        TcpProcessGroupOptions o = base_options();
+        o.transport = "tcp";
+        return o;
+      },
+      [](int, absl::StatusOr<std::shared_ptr<TcpProcessGroup>>& pg) {
+        ASSERT_TRUE(pg.ok()) << pg.status();
+        EXPECT_EQ((*pg)->backend_name(), "tcp");
+      });
+  // Ranks 0, 1 on host A, rank 2 on host B: ranks 0 and 1 have one pair of each kind, rank 2 only TCP pairs.
+  const std::vector<std::string> hosts = {"A/boot", "A/boot", "B/boot"};
+  run_ranks(
+      3,
+      [&](int r) {
+        TcpProcessGroupOptions o = base_options();
+        o.transport = "auto";
+        o.host_id = hosts[static_cast<std::size_t>(r)];
+        return o;
+      },
+      [](int r, absl::StatusOr<std::shared_ptr<TcpProcessGroup>>& pg) {
+        ASSERT_TRUE(pg.ok()) << pg.status();
+        EXPECT_EQ((*pg)->backend_name(), r == 2 ? "tcp" : "tcp+shm") << "rank " << r;
+      });
+  // A group of one has no pairs: "tcp" (the backend, no transport in use).
+  auto alone = TcpProcessGroup::create(std::make_shared<HashStore>(), 0, 1, base_options());
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  EXPECT_EQ((*alone)->backend_name(), "tcp");
+}
+
 TEST(ShmTransport, ForcedSharedMemoryAcrossHostsNamesTheRankOnTheOtherHost) {
   run_ranks(
       3,
