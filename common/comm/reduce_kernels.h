@@ -4,7 +4,8 @@
 // Semantics (process_group.h, ReduceOp): sources are combined in the order given (so every rank that
 // reduces the same sources gets bit-identical results); bf16/f16 are accumulated in f32 and rounded once
 // when stored; i64 uses wrapping integer arithmetic. The work is done chunk by chunk through a scratch
-// accumulator of ReduceScratch::chunk_elements elements (kept cache-resident), so sources may alias
+// accumulator of ReduceScratch::chunk_elements elements (kept cache-resident), f32 in blocks of 16 elements
+// held in registers instead (Note [f32 reduction fast path], same results), so sources may alias
 // destinations element for element (in place): each chunk is read from every source before it is
 // written to any destination.
 //
