@@ -39,6 +39,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -188,19 +189,22 @@ void peer_loop(Store& store, ProcessGroup& pg, RawCopy& raw, int n) {
     if (parts[0] == "quit") ::_exit(0);
     std::int64_t bytes = 0, iters = 0;
     if (parts.size() != 3 || !absl::SimpleAtoi(parts[1], &bytes) || !absl::SimpleAtoi(parts[2], &iters)) ::_exit(8);
-    if (!pg.barrier()->wait().ok()) ::_exit(9);
     const std::int64_t per_direction =
         parts[0] == "raw" ? bytes : static_cast<std::int64_t>(static_cast<double>(bytes) * shm_factor(parts[0], n));
+    // Buffers first, then the barrier: rank 0 has made its own before posting the command, and the first timed
+    // raw exchange must not include the peers' allocation.
     out.resize(static_cast<std::size_t>(per_direction));
     in.resize(static_cast<std::size_t>(per_direction));
+    std::optional<ShmBuffers> buffers;
+    if (parts[0] != "raw") buffers.emplace(bytes, n);
+    if (!pg.barrier()->wait().ok()) ::_exit(9);
     if (parts[0] == "raw") {
       for (std::int64_t i = 0; i < iters; ++i) raw.exchange(out.data(), in.data(), out.size());
       continue;
     }
-    ShmBuffers buffers(bytes, n);
     for (std::int64_t i = 0; i < iters; ++i) {
       raw.exchange(out.data(), in.data(), out.size());
-      (void)buffers.run(pg, parts[0]);
+      (void)buffers->run(pg, parts[0]);
     }
   }
 }
