@@ -6,9 +6,11 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/autograd/accumulate_grad.h"
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/grad_accumulation.h"
 #include "common/autograd/grad_mode.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -59,6 +61,78 @@ std::string FreedGraphMessage(const Node& n) {
                       "through the same graph");
 }
 
+// Note [tracing backward]
+// While a step is captured (common/tensor/trace_hook.h), every node the engine runs is reported as one op: its
+// incoming gradients are the reads, the gradients it returns the writes. Its kernel runs, with the incoming
+// gradients of the replay, the node that the replayed forward op created (trace::KernelArgs::backward_node) and
+// then releases it, as a backward that does not retain the graph would. A leaf's accumulation is reported as
+// "accumulate_grad" (set or add, as it happened), gradients the engine makes as "ones" / "zeros", and the sum of
+// two contributions as "add". Hooks are not replayed: a hook that runs during capture is reported as unsupported,
+// naming it (a compiled step expresses what hooks do, collectives, in its parallel mode).
+
+void trace_fill(const trace::OpTraceScope& scope, const char* name, const Tensor& t, double value) {
+  scope.record(name, {}, {t}, [value, shape = t.shape(), dtype = t.dtype()](trace::KernelArgs& a) {
+    a.writes[0] = detail::new_activation(shape, dtype);
+    a.writes[0].fill_(value);
+  });
+}
+
+Tensor traced_sum_gradients(Tensor a, Tensor b) {
+  trace::OpTraceScope scope;
+  if (!scope.tracing() || !a.defined()) return detail::sum_gradients(std::move(a), std::move(b));
+  const Tensor ra = a, rb = b;
+  Tensor sum = detail::sum_gradients(std::move(a), std::move(b));
+  scope.record("add", {ra, rb}, {sum}, [](trace::KernelArgs& k) {
+    // Reuses an addend's bytes when replay hands it over as the only reference (Note [gradient buffer reuse]);
+    // IEEE addition commutes, so the bits do not depend on which.
+    k.writes[0] = detail::sum_gradients(std::move(k.reads[0]), std::move(k.reads[1]));
+  });
+  return sum;
+}
+
+TensorList run_traced_node(Node* n, TensorList&& in) {
+  trace::OpTraceScope scope;
+  if (!scope.tracing()) return n->apply(std::move(in));
+  if (n->is_accumulate_grad()) {
+    const Tensor& variable = static_cast<AccumulateGrad*>(n)->variable();
+    AutogradMeta* meta = meta_of(variable);
+    if (meta && ((meta->hooks && !meta->hooks->empty()) ||
+                 (meta->post_accumulate_hooks && !meta->post_accumulate_hooks->empty()))) {
+      scope.tracer()->on_unsupported(absl::StrCat("a hook on leaf ", variable.describe(), " (hooks are not replayed)"));
+    }
+    const Tensor grad = in[0];
+    const Tensor before = variable.grad();
+    TensorList out = n->apply(std::move(in));
+    const bool accumulate = before.defined();
+    scope.record("accumulate_grad", {grad, before}, {variable.grad()}, [accumulate](trace::KernelArgs& a) {
+      if (accumulate) {
+        detail::add_into(a.writes[0], a.reads[0]);
+      } else {
+        a.writes[0] = std::move(a.reads[0]);  // the gradient becomes the leaf's, as eager does without a copy
+      }
+    });
+    return out;
+  }
+  const TensorList grads = in;
+  TensorList out = n->apply(std::move(in));
+  std::vector<bool> defined;
+  for (const Tensor& o : out) defined.push_back(o.defined());
+  scope.record(n->name(), grads, out,
+               [defined](trace::KernelArgs& a) {
+                 auto* node = static_cast<Node*>(a.backward_node);
+                 SK_CHECK(node != nullptr) << "replay of a backward node without its node";
+                 TensorList fresh = node->apply(std::move(a.reads));
+                 node->release();
+                 SK_CHECK_EQ(fresh.size(), defined.size()) << node->name() << ": replay returned a different count";
+                 std::size_t next = 0;
+                 for (std::size_t i = 0; i < fresh.size(); ++i) {
+                   if (defined[i]) a.writes[next++] = std::move(fresh[i]);
+                 }
+               },
+               n);
+  return out;
+}
+
 }  // namespace
 
 bool is_backward_running() { return tl_task != nullptr; }
@@ -97,6 +171,8 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
       }
       g = detail::new_activation(r.shape(), r.dtype());
       g.fill_(1.0);
+      trace::OpTraceScope scope;
+      if (scope.tracing()) trace_fill(scope, "ones", g, 1.0);
     } else if (g.shape() != r.shape()) {
       throw AutogradError(absl::StrCat("backward: expected a gradient of shape ", shape_str(r.shape()),
                                        " for the root, found ", g.describe()));
@@ -110,6 +186,8 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
   // them after the enclosing backward); this backward's own queue then stays empty.
   TaskScope task_scope(options.callbacks_to_enclosing && tl_task != nullptr ? tl_task : &task);
   NoGradGuard no_grad;
+
+  trace::Tracer* const tracer = trace::active_tracer();  // Note [tracing backward]
 
   // Dependencies: number of edges into each reachable node.
   absl::flat_hash_map<Node*, int> deps;
@@ -125,7 +203,7 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
       if (!e.valid()) continue;
       ++deps[e.node.get()];
       if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
-    }
+      }
   }
 
   absl::flat_hash_map<Node*, TensorList> buffers;
@@ -136,7 +214,7 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
     TensorList& buf = buffers[n];
     if (buf.empty()) buf.resize(static_cast<std::size_t>(n->num_outputs()));
     Tensor& slot = buf[static_cast<std::size_t>(root_edges[i].input_nr)];
-    slot = detail::sum_gradients(std::move(slot), std::move(root_grads[i]));
+    slot = traced_sum_gradients(std::move(slot), std::move(root_grads[i]));
   }
   for (const Edge& e : root_edges) {
     Node* n = e.node.get();
@@ -158,18 +236,28 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
     bool any_defined = false;
     for (int i = 0; i < n->num_outputs(); ++i) {
       Tensor& g = in[static_cast<std::size_t>(i)];
-      if (g.defined() && n->output_hooks(i)) g = detail::run_tensor_hooks(*n->output_hooks(i), std::move(g), n->output_shape(i));
+      if (g.defined() && n->output_hooks(i)) {
+        if (tracer != nullptr && !n->output_hooks(i)->empty()) {
+          tracer->on_unsupported(absl::StrCat("a tensor hook on an output of ", n->name(), " (hooks are not replayed)"));
+        }
+        g = detail::run_tensor_hooks(*n->output_hooks(i), std::move(g), n->output_shape(i));
+      }
       any_defined = any_defined || g.defined();
     }
     TensorList out;
     if (any_defined) {
       for (int i = 0; i < n->num_outputs(); ++i) {
         Tensor& g = in[static_cast<std::size_t>(i)];
-        if (!g.defined()) g = detail::zeros_activation(n->output_shape(i), n->output_dtype(i));
+        if (!g.defined()) {
+          g = detail::zeros_activation(n->output_shape(i), n->output_dtype(i));
+          trace::OpTraceScope scope;
+          if (scope.tracing()) trace_fill(scope, "zeros", g, 0.0);
+        }
       }
       // A temporary, so the incoming gradients die as soon as apply returns (a gradient passed through
       // unchanged, e.g. by add or reshape, is then exclusive again: Note [gradient buffer reuse]).
-      out = n->apply(TensorList(std::move(in)));
+      out = tracer != nullptr ? run_traced_node(n, TensorList(std::move(in)))
+                              : n->apply(TensorList(std::move(in)));
       SK_CHECK(out.empty() || out.size() == n->next_edges().size())
           << n->name() << " returned " << out.size() << " gradients for " << n->next_edges().size() << " inputs";
     }
@@ -183,7 +271,7 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
         TensorList& buf = buffers[next];
         if (buf.empty()) buf.resize(static_cast<std::size_t>(next->num_outputs()));
         Tensor& slot = buf[static_cast<std::size_t>(e.input_nr)];
-        slot = detail::sum_gradients(std::move(slot), std::move(out[i]));
+        slot = traced_sum_gradients(std::move(slot), std::move(out[i]));
       }
       if (--deps[next] == 0) ready.push({next->is_accumulate_grad(), next->sequence_nr(), next});
     }

@@ -90,6 +90,14 @@ absl::Status StepGraph::validate() const {
         }
       }
     }
+    if (n.grad_fn_slot >= static_cast<SlotId>(slots_.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expected a grad_fn slot in [0, ", slots_.size(),
+                                                     "), found ", n.grad_fn_slot));
+    }
+    if (n.grad_fn_slot >= 0 && !written.count(n.grad_fn_slot)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": runs the backward node of slot '",
+                                                     slot(n.grad_fn_slot).name, "', which nothing wrote before"));
+    }
     for (SlotId s : n.reads) {
       if (!written.count(s)) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": reads slot '", slot(s).name,

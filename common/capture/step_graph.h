@@ -17,6 +17,12 @@
 //   placeholder  stands for a part that was not traced (an Override): expand_placeholder() replaces it
 //   output       reads one slot that leaves the step (the loss, the updated parameters)
 //
+// Executable graphs: a graph the recorder built (recorder.h) also carries, per op node, its kernel (trace_hook.h),
+// whether grad mode was on when it ran, and for a node of the backward engine the slot whose value's grad_fn is
+// that node (an output of the forward op that created it: replay runs the node the replayed forward created).
+// Slots of the step's inputs carry their tensor (`value`); every other value is made by the replay. Hand-built
+// graphs (pass tests) leave these empty.
+//
 // Thread-safety: a value type; no shared state.
 #pragma once
 
@@ -30,6 +36,7 @@
 #include "common/comm/process_group.h"
 #include "common/tensor/dtype.h"
 #include "common/tensor/tensor.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit::capture {
 
@@ -40,6 +47,7 @@ struct Slot {
   std::string name;
   DType dtype = DType::f32;
   Shape shape;
+  Tensor value = {};  // recorded graphs, input slots: the tensor (a parameter, optimizer state, a batch tensor)
 
   std::int64_t numel() const;
   std::int64_t nbytes() const { return numel() * static_cast<std::int64_t>(dtype_size(dtype)); }
@@ -57,6 +65,11 @@ struct Node {
   comm::CollectiveKind collective = comm::CollectiveKind::all_reduce;
   comm::ReduceOp reduce_op = {};
   std::string group = {};         // the ProcessGroup's name, e.g. "world"
+  // Executable graphs, op nodes: recomputes `writes` from `reads`.
+  trace::Kernel kernel = {};
+  bool grad_enabled = false;
+  // Executable graphs, backward nodes: a slot written by the forward op that created the node.
+  SlotId grad_fn_slot = -1;
 };
 
 class StepGraph {
@@ -76,6 +89,7 @@ class StepGraph {
   const std::vector<Node>& nodes() const { return nodes_; }
   std::vector<Node>& mutable_nodes() { return nodes_; }
   const Slot& slot(SlotId id) const { return slots_[static_cast<std::size_t>(id)]; }
+  Slot& mutable_slot(SlotId id) { return slots_[static_cast<std::size_t>(id)]; }
 
   // InvalidArgument naming the node and slot when a node reads a slot nothing wrote before it, refers to a slot
   // that does not exist, or a collective's slots do not fit its kind (in-place kinds: one slot read and written;

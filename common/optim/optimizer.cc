@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/optim/state_dict_validation.h"
 #include "common/tensor/rank_context.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit::optim {
 
@@ -111,7 +112,11 @@ absl::Status Optimizer::step() {
   // Everything a user can get wrong is checked first, so an error updates nothing.
   if (absl::Status s = check_step(); !s.ok()) return s;
   MemoryCategoryScope category(MemoryCategory::optimizer_state);
+  // A dry-run capture records the updates without applying them (trace_hook.h; Note [tracing the update]).
+  const trace::Tracer* tracer = trace::active_tracer();
+  const bool dry_run = tracer != nullptr && tracer->dry_run();
   std::size_t index = 0;
+  std::size_t group_index = 0;
   for (const ParamGroup& group : groups_) {
     for (const Tensor& p : group.params) {
       std::optional<ParamState>& slot = states_[index++];
@@ -125,12 +130,56 @@ absl::Status Optimizer::step() {
         init_state(group.hyper, p, *slot);
       }
       ParamState& st = *slot;
-      ++st.step;
       const Tensor weights = needs_master(p.dtype()) ? st.tensors.at(kMaster) : p;
-      update(group.hyper, weights, p, grad, st);
+      if (!dry_run) {
+        ++st.step;
+        update(group.hyper, weights, p, grad, st);
+      }
+      trace_update(group_index, index - 1, weights, p, grad, st);
     }
+    ++group_index;
   }
   return absl::OkStatus();
+}
+
+// Note [tracing the update]
+// While a step is captured (common/tensor/trace_hook.h), each parameter's update is one op, "<name>.update",
+// over explicit tensors: reads [weights, param (bf16/f16 only), grad, state...] and writes [weights, param,
+// state...], the state in key order. Its kernel counts the step on this optimizer's live state (bias correction
+// follows the real step count) and takes the hyper-parameters as they are when it runs (LR schedules work), so
+// replay is the same update as step(). A dry-run capture records it without applying it (nor counting the step).
+// Because the tensors are arguments, a parallel mode may hand it shards of
+// all of them (the update is elementwise). The kernel refers to this optimizer: it must outlive the replay.
+void Optimizer::trace_update(std::size_t group_index, std::size_t index, const Tensor& weights, const Tensor& param,
+                             const Tensor& grad, const ParamState& st) {
+  trace::OpTraceScope scope;
+  if (!scope.tracing()) return;
+  const bool master = !weights.is_same(param);
+  std::vector<std::string> keys;
+  std::vector<Tensor> reads = {weights};
+  std::vector<Tensor> writes = {weights};
+  if (master) {
+    reads.push_back(param);
+    writes.push_back(param);
+  }
+  reads.push_back(grad);
+  for (const auto& [key, t] : st.tensors) {
+    if (key == kMaster) continue;
+    keys.push_back(key);
+    reads.push_back(t);
+    writes.push_back(t);
+  }
+  scope.record(absl::StrCat(name_, ".update"), std::move(reads), std::move(writes),
+               [this, group_index, index, master, keys](trace::KernelArgs& a) {
+                 const std::vector<Tensor>& r = a.reads;
+                 ParamState& live = *states_[index];
+                 ++live.step;
+                 ParamState view;
+                 view.step = live.step;
+                 const std::size_t first_state = master ? 3 : 2;
+                 for (std::size_t k = 0; k < keys.size(); ++k) view.tensors[keys[k]] = r[first_state + k];
+                 update(groups_[group_index].hyper, r[0], master ? r[1] : r[0], r[master ? 2 : 1], view);
+               });
 }
 
 void Optimizer::zero_grad(bool set_to_none) {
@@ -138,8 +187,18 @@ void Optimizer::zero_grad(bool set_to_none) {
     for (const Tensor& p : group.params) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
-      if (set_to_none) p.set_grad(Tensor());
-      else g.zero_();
+      if (set_to_none) {
+        p.set_grad(Tensor());
+      } else {
+        g.zero_();
+        trace::OpTraceScope scope;  // a captured step replays the zeroing (accumulation reads it)
+        scope.record("zero_grad", {}, {g}, [shape = g.shape(), dtype = g.dtype()](trace::KernelArgs& a) {
+          if (!a.writes[0].defined()) {
+            a.writes[0] = Tensor::empty(shape, TensorOptions{}.with_dtype(dtype).with_category(MemoryCategory::gradient));
+          }
+          a.writes[0].zero_();
+        });
+      }
     }
   }
 }

@@ -155,6 +155,9 @@ class Optimizer {
   absl::Status check_group(const ParamGroup& group, std::size_t group_index) const;
   // What step() refuses before updating anything (hyper-parameters, released parameters).
   absl::Status check_step() const;
+  // Reports one parameter's update to the calling thread's tracer, if any (Note [tracing the update]).
+  void trace_update(std::size_t group_index, std::size_t index, const Tensor& weights, const Tensor& param,
+                    const Tensor& grad, const ParamState& st);
 
   std::string name_;
   HyperParams defaults_;

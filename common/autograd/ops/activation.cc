@@ -98,7 +98,7 @@ Tensor GeluExact(const Tensor& x) {
 
 }  // namespace
 
-Tensor relu(const Tensor& x) {
+Tensor relu_compute(const Tensor& x) {
   detail::check_f32_cpu("relu", x);
   Tensor out = detail::new_activation(x.shape());
   const std::int64_t n = x.numel();
@@ -119,7 +119,7 @@ Tensor relu(const Tensor& x) {
   return out;
 }
 
-Tensor gelu(const Tensor& x, GeluApproximation approximate) {
+Tensor gelu_compute(const Tensor& x, GeluApproximation approximate) {
   detail::check_f32_cpu("gelu", x);
   switch (approximate) {
     case GeluApproximation::none:
@@ -131,7 +131,7 @@ Tensor gelu(const Tensor& x, GeluApproximation approximate) {
   return Tensor();
 }
 
-Tensor softmax(const Tensor& x) {
+Tensor softmax_compute(const Tensor& x) {
   detail::check_f32_cpu("softmax", x);
   const std::int64_t n = LastDim(x);
   const std::int64_t rows = n == 0 ? 0 : x.numel() / n;
@@ -157,7 +157,7 @@ Tensor softmax(const Tensor& x) {
   return out;
 }
 
-Tensor log_softmax(const Tensor& x) {
+Tensor log_softmax_compute(const Tensor& x) {
   detail::check_f32_cpu("log_softmax", x);
   const std::int64_t n = LastDim(x);
   const std::int64_t rows = n == 0 ? 0 : x.numel() / n;
@@ -184,7 +184,7 @@ Tensor log_softmax(const Tensor& x) {
   return out;
 }
 
-Tensor dropout(const Tensor& x, float p, bool training) {
+Tensor dropout_compute(const Tensor& x, float p, bool training) {
   SK_CHECK(p >= 0.f && p < 1.f) << "dropout: expected 0 <= p < 1, found " << p;
   if (!training || p == 0.f) return x;
   detail::check_f32_cpu("dropout", x);
@@ -211,6 +211,26 @@ Tensor dropout(const Tensor& x, float p, bool training) {
     });
   }
   return out;
+}
+
+Tensor relu(const Tensor& x) {
+  return detail::traced("relu", {x}, [](const TensorList& a) { return relu_compute(a[0]); });
+}
+
+Tensor gelu(const Tensor& x, GeluApproximation approximate) {
+  return detail::traced("gelu", {x}, [approximate](const TensorList& a) { return gelu_compute(a[0], approximate); });
+}
+
+Tensor softmax(const Tensor& x) {
+  return detail::traced("softmax", {x}, [](const TensorList& a) { return softmax_compute(a[0]); });
+}
+
+Tensor log_softmax(const Tensor& x) {
+  return detail::traced("log_softmax", {x}, [](const TensorList& a) { return log_softmax_compute(a[0]); });
+}
+
+Tensor dropout(const Tensor& x, float p, bool training) {
+  return detail::traced("dropout", {x}, [p, training](const TensorList& a) { return dropout_compute(a[0], p, training); });
 }
 
 }  // namespace shardkit::autograd

@@ -29,7 +29,7 @@ void CausalSoftmax(float* s, std::int64_t t) {
 
 }  // namespace
 
-Tensor causal_attention(const Tensor& qkv, std::int64_t num_heads) {
+Tensor causal_attention_compute(const Tensor& qkv, std::int64_t num_heads) {
   detail::check_f32_cpu("causal_attention", qkv);
   SK_CHECK(qkv.dim() == 3 && qkv.size(2) % 3 == 0) << "causal_attention: expected qkv [B, T, 3C], found "
                                                    << qkv.describe();
@@ -96,6 +96,10 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t num_heads) {
                    });
   }
   return out;
+}
+
+Tensor causal_attention(const Tensor& qkv, std::int64_t num_heads) {
+  return detail::traced("causal_attention", {qkv}, [num_heads](const TensorList& a) { return causal_attention_compute(a[0], num_heads); });
 }
 
 }  // namespace shardkit::autograd

@@ -95,7 +95,7 @@ void PowValues(const float* x, float* y, std::int64_t n, float p) {
 
 }  // namespace
 
-Tensor add(const Tensor& a, const Tensor& b) {
+Tensor add_compute(const Tensor& a, const Tensor& b) {
   Tensor out = Binary("add", a, b, [](float x, float y) { return x + y; });
   if (should_record({&a, &b})) {
     const std::int64_t rows = a.numel() / std::max<std::int64_t>(1, b.numel());
@@ -110,7 +110,7 @@ Tensor add(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor sub(const Tensor& a, const Tensor& b) {
+Tensor sub_compute(const Tensor& a, const Tensor& b) {
   Tensor out = Binary("sub", a, b, [](float x, float y) { return x - y; });
   if (should_record({&a, &b})) {
     const std::int64_t rows = a.numel() / std::max<std::int64_t>(1, b.numel());
@@ -125,7 +125,7 @@ Tensor sub(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor mul(const Tensor& a, const Tensor& b) {
+Tensor mul_compute(const Tensor& a, const Tensor& b) {
   Tensor out = Binary("mul", a, b, [](float x, float y) { return x * y; });
   if (should_record({&a, &b})) {
     const std::int64_t rows = a.numel() / std::max<std::int64_t>(1, b.numel());
@@ -145,7 +145,7 @@ Tensor mul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor scale(const Tensor& a, float s) {
+Tensor scale_compute(const Tensor& a, float s) {
   detail::check_f32_cpu("scale", a);
   Tensor out = Scaled(a, s);
   if (should_record({&a})) {
@@ -154,7 +154,7 @@ Tensor scale(const Tensor& a, float s) {
   return out;
 }
 
-Tensor square(const Tensor& x) {
+Tensor square_compute(const Tensor& x) {
   detail::check_f32_cpu("square", x);
   Tensor out = detail::new_activation(x.shape());
   Map(x.data<float>(), out.data<float>(), x.numel(), [](float v) { return v * v; });
@@ -172,7 +172,7 @@ Tensor square(const Tensor& x) {
   return out;
 }
 
-Tensor pow(const Tensor& x, float exponent) {
+Tensor pow_compute(const Tensor& x, float exponent) {
   detail::check_f32_cpu("pow", x);
   Tensor out = detail::new_activation(x.shape());
   PowValues(x.data<float>(), out.data<float>(), x.numel(), exponent);
@@ -190,6 +190,30 @@ Tensor pow(const Tensor& x, float exponent) {
     });
   }
   return out;
+}
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  return detail::traced("add", {a, b}, [](const TensorList& t) { return add_compute(t[0], t[1]); });
+}
+
+Tensor sub(const Tensor& a, const Tensor& b) {
+  return detail::traced("sub", {a, b}, [](const TensorList& t) { return sub_compute(t[0], t[1]); });
+}
+
+Tensor mul(const Tensor& a, const Tensor& b) {
+  return detail::traced("mul", {a, b}, [](const TensorList& t) { return mul_compute(t[0], t[1]); });
+}
+
+Tensor scale(const Tensor& a, float s) {
+  return detail::traced("scale", {a}, [s](const TensorList& t) { return scale_compute(t[0], s); });
+}
+
+Tensor square(const Tensor& x) {
+  return detail::traced("square", {x}, [](const TensorList& t) { return square_compute(t[0]); });
+}
+
+Tensor pow(const Tensor& x, float exponent) {
+  return detail::traced("pow", {x}, [exponent](const TensorList& t) { return pow_compute(t[0], exponent); });
 }
 
 }  // namespace shardkit::autograd

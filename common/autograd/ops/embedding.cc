@@ -6,7 +6,7 @@
 
 namespace shardkit::autograd {
 
-Tensor embedding(const Tensor& weight, const Tensor& indices) {
+Tensor embedding_compute(const Tensor& weight, const Tensor& indices) {
   detail::check_f32_cpu("embedding", weight);
   SK_CHECK(weight.dim() == 2) << "embedding: expected weight [V, C], found " << weight.describe();
   SK_CHECK(indices.defined() && indices.dtype() == DType::i64 && indices.device().is_cpu())
@@ -40,6 +40,10 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
                    });
   }
   return out;
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  return detail::traced("embedding", {weight, indices}, [](const TensorList& t) { return embedding_compute(t[0], t[1]); });
 }
 
 }  // namespace shardkit::autograd

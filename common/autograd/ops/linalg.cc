@@ -104,14 +104,18 @@ Tensor Product(const char* op, const char* node_name, const Tensor& a, const Ten
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
-  return Product("matmul", "MatmulBackward", a, b, trans_a, trans_b, 2);
+  return detail::traced("matmul", {a, b}, [trans_a, trans_b](const TensorList& t) {
+    return Product("matmul", "MatmulBackward", t[0], t[1], trans_a, trans_b, 2);
+  });
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
-  return Product("bmm", "BmmBackward", a, b, trans_a, trans_b, 3);
+  return detail::traced("bmm", {a, b}, [trans_a, trans_b](const TensorList& t) {
+    return Product("bmm", "BmmBackward", t[0], t[1], trans_a, trans_b, 3);
+  });
 }
 
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+Tensor linear_compute(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   detail::check_f32_cpu("linear", x);
   detail::check_f32_cpu("linear", weight);
   SK_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1))
@@ -168,6 +172,10 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
                    });
   }
   return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  return detail::traced("linear", {x, weight, bias}, [](const TensorList& t) { return linear_compute(t[0], t[1], t[2]); });
 }
 
 }  // namespace shardkit::autograd

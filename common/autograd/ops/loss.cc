@@ -7,7 +7,7 @@
 
 namespace shardkit::autograd {
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t ignore_index) {
+Tensor cross_entropy_compute(const Tensor& logits, const Tensor& targets, std::int64_t ignore_index) {
   detail::check_f32_cpu("cross_entropy", logits);
   SK_CHECK(targets.defined() && targets.dtype() == DType::i64 && targets.device().is_cpu())
       << "cross_entropy: expected i64 CPU targets, found " << (targets.defined() ? targets.describe() : "undefined");
@@ -65,6 +65,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t i
                    });
   }
   return out;
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t ignore_index) {
+  return detail::traced("cross_entropy", {logits, targets}, [ignore_index](const TensorList& t) { return cross_entropy_compute(t[0], t[1], ignore_index); });
 }
 
 }  // namespace shardkit::autograd

@@ -12,6 +12,7 @@
 
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/grad_accumulation.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit::autograd::detail {
 
@@ -54,6 +55,37 @@ inline void check_f32_cpu(const char* op, const Tensor& t) {
   SK_CHECK(t.dtype() == DType::f32 && t.device().is_cpu())
       << op << ": expected an f32 CPU tensor, found " << t.describe()
       << " (autograd ops compute in fp32 on the CPU; cast first)";
+}
+
+// Note [traced ops]
+// Every public op is a thin wrapper: traced(name, inputs, compute) runs `compute(inputs)` (the op's body, named
+// <op>_compute in its .cc) and, while a step is captured (common/tensor/trace_hook.h), reports it with a kernel that
+// calls `compute` again on the tensors replay hands it, leaving its fresh outputs (with their backward node, when
+// grad mode is on) as the op's writes. `inputs` are positional: undefined ones (an absent bias) stay in place for
+// `compute`, the tracer never sees them.
+template <class Compute>
+TensorList traced_list(const char* name, TensorList inputs, Compute compute) {
+  trace::OpTraceScope scope;
+  TensorList outs = compute(inputs);
+  if (!scope.tracing()) return outs;
+  std::vector<bool> defined;
+  for (const Tensor& in : inputs) defined.push_back(in.defined());
+  scope.record(name, inputs, outs, [compute, defined](trace::KernelArgs& a) {
+    TensorList args(defined.size());
+    std::size_t next = 0;
+    for (std::size_t i = 0; i < defined.size(); ++i) {
+      if (defined[i]) args[i] = a.reads[next++];
+    }
+    TensorList fresh = compute(args);
+    SK_CHECK_EQ(fresh.size(), a.writes.size()) << "replayed op returned a different number of outputs";
+    a.writes = std::move(fresh);
+  });
+  return outs;
+}
+
+template <class Compute>
+Tensor traced(const char* name, TensorList inputs, Compute compute) {
+  return traced_list(name, std::move(inputs), [compute](const TensorList& in) { return TensorList{compute(in)}; })[0];
 }
 
 }  // namespace shardkit::autograd::detail

@@ -26,7 +26,11 @@ Tensor Reduce(const char* op, const char* node_name, const Tensor& x, bool avera
 
 }  // namespace
 
-Tensor sum(const Tensor& x) { return Reduce("sum", "SumBackward", x, false); }
-Tensor mean(const Tensor& x) { return Reduce("mean", "MeanBackward", x, true); }
+Tensor sum(const Tensor& x) {
+  return detail::traced("sum", {x}, [](const TensorList& t) { return Reduce("sum", "SumBackward", t[0], false); });
+}
+Tensor mean(const Tensor& x) {
+  return detail::traced("mean", {x}, [](const TensorList& t) { return Reduce("mean", "MeanBackward", t[0], true); });
+}
 
 }  // namespace shardkit::autograd

@@ -92,7 +92,7 @@ void TakeAlong(const Tensor& x, const Tensor& out, std::int64_t d, std::int64_t 
 
 }  // namespace
 
-Tensor reshape(const Tensor& x, const Shape& shape) {
+Tensor reshape_compute(const Tensor& x, const Shape& shape) {
   SK_CHECK(x.defined()) << "reshape: undefined input";
   Tensor out = x.reshape(shape);
   if (should_record({&x})) {
@@ -102,7 +102,7 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
   return out;
 }
 
-Tensor permute(const Tensor& x, const std::vector<std::int64_t>& dims_in) {
+Tensor permute_compute(const Tensor& x, const std::vector<std::int64_t>& dims_in) {
   detail::check_f32_cpu("permute", x);
   const std::int64_t rank = x.dim();
   SK_CHECK_EQ(static_cast<std::int64_t>(dims_in.size()), rank) << "permute: one entry per dimension of " << x.describe();
@@ -132,7 +132,7 @@ Tensor transpose(const Tensor& x, std::int64_t dim0, std::int64_t dim1) {
   return permute(x, dims);
 }
 
-std::vector<Tensor> split(const Tensor& x, const std::vector<std::int64_t>& sizes, std::int64_t dim) {
+std::vector<Tensor> split_compute(const Tensor& x, const std::vector<std::int64_t>& sizes, std::int64_t dim) {
   detail::check_f32_cpu("split", x);
   const std::int64_t d = NormDim("split", dim, x.dim());
   std::int64_t total = 0;
@@ -168,7 +168,7 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<std::int64_t>& size
   return outs;
 }
 
-Tensor concat(const std::vector<Tensor>& xs, std::int64_t dim) {
+Tensor concat_compute(const std::vector<Tensor>& xs, std::int64_t dim) {
   SK_CHECK(!xs.empty()) << "concat: no tensors";
   const std::int64_t d = NormDim("concat", dim, xs[0].dim());
   Shape sh = xs[0].shape();
@@ -216,7 +216,7 @@ Tensor concat(const std::vector<Tensor>& xs, std::int64_t dim) {
   return out;
 }
 
-Tensor narrow(const Tensor& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
+Tensor narrow_compute(const Tensor& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
   detail::check_f32_cpu("narrow", x);
   const std::int64_t d = NormDim("narrow", dim, x.dim());
   SK_CHECK(start >= 0 && length >= 0 && start + length <= x.size(d))
@@ -235,7 +235,7 @@ Tensor narrow(const Tensor& x, std::int64_t dim, std::int64_t start, std::int64_
   return out;
 }
 
-Tensor cast(const Tensor& x, DType dtype) {
+Tensor cast_compute(const Tensor& x, DType dtype) {
   SK_CHECK(x.defined() && x.device().is_cpu()) << "cast: expected a CPU tensor";
   SK_CHECK(is_floating(dtype) && is_floating(x.dtype())) << "cast: float dtypes only, " << x.describe();
   Tensor out = detail::new_activation(x.shape(), dtype);
@@ -248,6 +248,30 @@ Tensor cast(const Tensor& x, DType dtype) {
     });
   }
   return out;
+}
+
+Tensor reshape(const Tensor& x, const Shape& shape) {
+  return detail::traced("reshape", {x}, [shape](const TensorList& t) { return reshape_compute(t[0], shape); });
+}
+
+Tensor permute(const Tensor& x, const std::vector<std::int64_t>& dims_in) {
+  return detail::traced("permute", {x}, [dims_in](const TensorList& t) { return permute_compute(t[0], dims_in); });
+}
+
+std::vector<Tensor> split(const Tensor& x, const std::vector<std::int64_t>& sizes, std::int64_t dim) {
+  return detail::traced_list("split", {x}, [sizes, dim](const TensorList& t) { return split_compute(t[0], sizes, dim); });
+}
+
+Tensor concat(const std::vector<Tensor>& xs, std::int64_t dim) {
+  return detail::traced("concat", xs, [dim](const TensorList& t) { return concat_compute(t, dim); });
+}
+
+Tensor narrow(const Tensor& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
+  return detail::traced("narrow", {x}, [dim, start, length](const TensorList& t) { return narrow_compute(t[0], dim, start, length); });
+}
+
+Tensor cast(const Tensor& x, DType dtype) {
+  return detail::traced("cast", {x}, [dtype](const TensorList& t) { return cast_compute(t[0], dtype); });
 }
 
 }  // namespace shardkit::autograd

@@ -1,0 +1,282 @@
+#include "common/capture/executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <set>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "common/autograd/autograd_meta.h"
+#include "common/autograd/grad_mode.h"
+#include "common/autograd/node.h"
+
+namespace shardkit::capture {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct Lifetime {
+  SlotId slot = -1;
+  int first = -1;  // first node that writes it
+  int last = -1;   // last node that reads or writes it
+};
+
+std::vector<bool> persistent_slots(const StepGraph& g) {
+  std::vector<bool> keep(g.slots().size(), false);
+  for (const Node& n : g.nodes()) {
+    if (n.kind == NodeKind::input) keep[static_cast<std::size_t>(n.writes[0])] = true;
+    if (n.kind == NodeKind::output) keep[static_cast<std::size_t>(n.reads[0])] = true;
+  }
+  return keep;
+}
+
+std::int64_t slot_bytes(const Slot& s) { return s.nbytes(); }
+
+}  // namespace
+
+MemoryPlan plan_memory(const StepGraph& graph) {
+  MemoryPlan plan;
+  plan.last_use.resize(graph.nodes().size());
+  const std::vector<bool> keep = persistent_slots(graph);
+  std::vector<Lifetime> life(graph.slots().size());
+  for (std::size_t i = 0; i < graph.nodes().size(); ++i) {
+    const Node& n = graph.nodes()[i];
+    const int at = static_cast<int>(i);
+    for (SlotId s : n.reads) life[static_cast<std::size_t>(s)].last = at;
+    for (SlotId s : n.writes) {
+      Lifetime& l = life[static_cast<std::size_t>(s)];
+      if (l.first < 0) l.first = at;
+      l.last = at;
+    }
+  }
+  std::vector<Lifetime> temps;
+  for (std::size_t s = 0; s < life.size(); ++s) {
+    life[s].slot = static_cast<SlotId>(s);
+    if (keep[s]) {
+      ++plan.persistent_slots;
+      continue;
+    }
+    if (life[s].first < 0) continue;  // never written: unused
+    ++plan.temporary_slots;
+    plan.last_use[static_cast<std::size_t>(life[s].last)].push_back(life[s].slot);
+    temps.push_back(life[s]);
+  }
+  // Peak: bytes alive at each node, a value counting from its first write to its last use, inclusive.
+  std::vector<std::int64_t> delta(graph.nodes().size() + 1, 0);
+  for (const Lifetime& l : temps) {
+    const std::int64_t bytes = slot_bytes(graph.slot(l.slot));
+    delta[static_cast<std::size_t>(l.first)] += bytes;
+    delta[static_cast<std::size_t>(l.last) + 1] -= bytes;
+  }
+  std::int64_t live = 0;
+  for (std::int64_t d : delta) {
+    live += d;
+    plan.peak_bytes = std::max(plan.peak_bytes, live);
+  }
+  // Arena: first fit, in order of first write, among the blocks whose lifetimes overlap.
+  std::sort(temps.begin(), temps.end(), [](const Lifetime& a, const Lifetime& b) { return a.first < b.first; });
+  struct Placed {
+    std::int64_t offset, bytes;
+    int last;
+  };
+  std::vector<Placed> placed;
+  for (const Lifetime& l : temps) {
+    const std::int64_t bytes = (slot_bytes(graph.slot(l.slot)) + 63) / 64 * 64;
+    std::vector<std::pair<std::int64_t, std::int64_t>> busy;
+    for (const Placed& p : placed) {
+      if (p.last >= l.first) busy.emplace_back(p.offset, p.offset + p.bytes);
+    }
+    std::sort(busy.begin(), busy.end());
+    std::int64_t offset = 0;
+    for (const auto& [b, e] : busy) {
+      if (offset + bytes <= b) break;
+      offset = std::max(offset, e);
+    }
+    placed.push_back({offset, bytes, l.last});
+    plan.arena_bytes = std::max(plan.arena_bytes, offset + bytes);
+  }
+  return plan;
+}
+
+Executor::Executor(StepGraph graph, ExecutorOptions options, MemoryPlan plan)
+    : graph_(std::move(graph)), options_(std::move(options)), plan_(std::move(plan)) {
+  // The inputs' tensors move from the graph into the replay's values (set_input rebinds them later).
+  env_.resize(graph_.slots().size());
+  for (const Node& n : graph_.nodes()) {
+    if (n.kind != NodeKind::input) continue;
+    env_[static_cast<std::size_t>(n.writes[0])] = std::move(graph_.mutable_slot(n.writes[0]).value);
+    graph_.mutable_slot(n.writes[0]).value = Tensor();
+  }
+}
+
+absl::StatusOr<Executor> Executor::create(StepGraph graph, ExecutorOptions options) {
+  if (absl::Status s = graph.validate(); !s.ok()) return s;
+  for (std::size_t i = 0; i < graph.nodes().size(); ++i) {
+    const Node& n = graph.nodes()[i];
+    const std::string where = absl::StrCat("Executor: node ", i, " (", describe(n), ")");
+    if (n.kind == NodeKind::input && !graph.slot(n.writes[0]).value.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expected the input's tensor, found none"));
+    }
+    if (n.kind == NodeKind::placeholder) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": a placeholder is left; expand it first"));
+    }
+    if (n.kind == NodeKind::collective && !options.groups.contains(n.group)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": no process group named '", n.group, "'"));
+    }
+    if (n.kind == NodeKind::op && !n.kernel) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": expected a kernel, found none"));
+    }
+  }
+  MemoryPlan plan = plan_memory(graph);
+  return Executor(std::move(graph), std::move(options), std::move(plan));
+}
+
+void Executor::set_input(SlotId slot, Tensor t) {
+  const Slot& s = graph_.slot(slot);
+  const bool input = std::any_of(graph_.nodes().begin(), graph_.nodes().end(), [&](const Node& n) {
+    return n.kind == NodeKind::input && n.writes[0] == slot;
+  });
+  SK_CHECK(input) << "set_input: slot '" << s.name << "' is not an input";
+  SK_CHECK(t.dtype() == s.dtype && t.shape() == s.shape)
+      << "set_input: slot '" << s.name << "' expects " << dtype_name(s.dtype) << shape_str(s.shape) << ", found "
+      << t.describe();
+  env_[static_cast<std::size_t>(slot)] = std::move(t);
+}
+
+absl::Status Executor::run() {
+  const Clock::time_point start = Clock::now();
+  stats_ = {};
+  const std::vector<bool> keep = persistent_slots(graph_);
+  std::vector<bool> names_a_node(graph_.slots().size(), false);
+  for (const Node& n : graph_.nodes()) {
+    if (n.grad_fn_slot >= 0) names_a_node[static_cast<std::size_t>(n.grad_fn_slot)] = true;
+  }
+  // This replay's autograd nodes, by the slot whose value the forward op that created them wrote.
+  absl::flat_hash_map<SlotId, std::shared_ptr<autograd::Node>> backward_nodes;
+  struct Pending {
+    std::shared_ptr<comm::Work> work;
+    absl::Duration timeout;
+    int node;
+    bool forget = false;  // the collective was the slot's last use: forget the value once it completed
+  };
+  absl::flat_hash_map<SlotId, Pending> pending;
+  absl::Status failed;
+  auto wait = [&](SlotId slot) {
+    auto it = pending.find(slot);
+    if (it == pending.end()) return;
+    const Clock::time_point t0 = Clock::now();
+    Pending p = it->second;
+    absl::Status s = p.work->wait(p.timeout);
+    // One collective may cover two slots (input and output): waiting once is enough.
+    for (auto j = pending.begin(); j != pending.end();) {
+      if (j->second.work == p.work) {
+        if (j->second.forget) env_[static_cast<std::size_t>(j->first)] = Tensor();
+        pending.erase(j++);
+      } else {
+        ++j;
+      }
+    }
+    if (!s.ok() && failed.ok()) {
+      failed = absl::Status(s.code(), absl::StrCat("replay: node ", p.node, " (", describe(graph_.nodes()[p.node]),
+                                                   "): ", s.message()));
+    }
+    stats_.collective_seconds += seconds_since(t0);
+  };
+  auto value_of = [this](SlotId s) -> Tensor& { return env_[static_cast<std::size_t>(s)]; };
+  for (std::size_t i = 0; i < graph_.nodes().size() && failed.ok(); ++i) {
+    const Node& n = graph_.nodes()[i];
+    for (const auto* list : {&n.reads, &n.writes}) {
+      for (SlotId s : *list) wait(s);
+    }
+    if (!failed.ok()) break;
+    const std::vector<SlotId>& last = plan_.last_use[i];
+    auto forget = [&](SlotId s) { return !keep[static_cast<std::size_t>(s)] && std::find(last.begin(), last.end(), s) != last.end(); };
+    if (n.kind == NodeKind::op) {
+      std::vector<Tensor> reads, writes;
+      reads.reserve(n.reads.size());
+      for (SlotId s : n.reads) reads.push_back(value_of(s));
+      for (SlotId s : n.writes) writes.push_back(value_of(s));
+      // Values this node uses last are handed over: the kernel holds the only reference (Note [memory plan]).
+      for (SlotId s : n.reads) {
+        if (forget(s) && std::find(n.writes.begin(), n.writes.end(), s) == n.writes.end()) value_of(s) = Tensor();
+      }
+      std::shared_ptr<autograd::Node> node;
+      if (n.grad_fn_slot >= 0) {
+        auto it = backward_nodes.find(n.grad_fn_slot);
+        if (it == backward_nodes.end()) {
+          failed = absl::InternalError(absl::StrCat("replay: node ", i, " (", describe(n),
+                                                    "): the replayed forward made no backward node for it"));
+          break;
+        }
+        node = std::move(it->second);
+        backward_nodes.erase(it);
+      }
+      const Clock::time_point t0 = Clock::now();
+      try {
+        autograd::GradModeGuard grad_mode(n.grad_enabled);
+        trace::KernelArgs args{reads, writes, node.get()};
+        n.kernel(args);
+      } catch (const std::exception& e) {
+        failed = absl::InternalError(absl::StrCat("replay: node ", i, " (", describe(n), "): ", e.what()));
+        break;
+      }
+      stats_.kernel_seconds += seconds_since(t0);
+      for (std::size_t w = 0; w < n.writes.size(); ++w) {
+        const SlotId s = n.writes[w];
+        value_of(s) = std::move(writes[w]);
+        if (!names_a_node[static_cast<std::size_t>(s)]) continue;
+        if (const autograd::AutogradMeta* meta = autograd::meta_of(value_of(s)); meta != nullptr && meta->grad_fn) {
+          backward_nodes[s] = meta->grad_fn;
+        }
+      }
+    } else if (n.kind == NodeKind::collective) {
+      const Clock::time_point t0 = Clock::now();
+      const std::shared_ptr<comm::ProcessGroup>& pg = options_.groups.at(n.group);
+      const Tensor& in = value_of(n.reads[0]);
+      Tensor& out = value_of(n.writes[0]);
+      if (!out.defined()) {
+        const Slot& slot = graph_.slot(n.writes[0]);
+        out = Tensor::empty(slot.shape, TensorOptions{}.with_dtype(slot.dtype));
+      }
+      std::shared_ptr<comm::Work> work;
+      switch (n.collective) {
+        case comm::CollectiveKind::all_reduce: work = pg->all_reduce(out, {.op = n.reduce_op}); break;
+        case comm::CollectiveKind::all_gather: work = pg->all_gather(out, in); break;
+        case comm::CollectiveKind::reduce_scatter: work = pg->reduce_scatter(out, in, {.op = n.reduce_op}); break;
+        default:
+          failed = absl::InvalidArgumentError(absl::StrCat("replay: node ", i, " (", describe(n),
+                                                           "): this collective kind is not replayed"));
+          break;
+      }
+      if (!work) break;
+      for (SlotId s : {n.reads[0], n.writes[0]}) {
+        pending[s] = Pending{work, pg->default_timeout(), static_cast<int>(i)};
+      }
+      stats_.collective_seconds += seconds_since(t0);
+    }
+    for (SlotId s : last) {
+      if (keep[static_cast<std::size_t>(s)]) continue;
+      if (auto it = pending.find(s); it != pending.end()) {
+        it->second.forget = true;  // Note [collective overlap]: not waited here
+      } else {
+        value_of(s) = Tensor();
+      }
+    }
+  }
+  while (!pending.empty()) wait(pending.begin()->first);
+  // A failed step leaves no value of its own behind (and no backward node holding saved activations).
+  if (!failed.ok()) {
+    const std::vector<bool> keep_now = persistent_slots(graph_);
+    for (std::size_t s = 0; s < env_.size(); ++s) {
+      if (!keep_now[s]) env_[s] = Tensor();
+    }
+  }
+  stats_.total_seconds = seconds_since(start);
+  return failed;
+}
+
+}  // namespace shardkit::capture
