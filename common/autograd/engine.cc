@@ -104,13 +104,20 @@ TensorList run_traced_node(Node* n, TensorList&& in) {
     const Tensor before = variable.grad();
     TensorList out = n->apply(std::move(in));
     const bool accumulate = before.defined();
-    scope.record("accumulate_grad", {grad, before}, {variable.grad()}, [accumulate](trace::KernelArgs& a) {
-      if (accumulate) {
-        detail::add_into(a.writes[0], a.reads[0]);
-      } else {
-        a.writes[0] = std::move(a.reads[0]);  // the gradient becomes the leaf's, as eager does without a copy
-      }
-    });
+    scope.record("accumulate_grad", {grad, before}, {variable.grad()},
+                 [accumulate, shape = variable.shape(), dtype = variable.dtype()](trace::KernelArgs& a) {
+                   if (accumulate) {
+                     detail::add_into(a.writes[0], a.reads[0]);
+                   } else if (detail::is_exclusive(a.reads[0]) && a.reads[0].dtype() == dtype) {
+                     a.writes[0] = std::move(a.reads[0]);  // Note [gradient buffer reuse]: no copy
+                   } else {
+                     // Shared with another path (an add's backward hands one gradient to both inputs): a copy, so
+                     // whatever is done to this leaf's gradient later (a collective, in place) touches only it.
+                     a.writes[0] = Tensor::empty(shape, TensorOptions{}.with_dtype(dtype).with_category(
+                                                            MemoryCategory::gradient));
+                     a.writes[0].copy_(a.reads[0]);
+                   }
+                 });
     return out;
   }
   const TensorList grads = in;

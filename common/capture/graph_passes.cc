@@ -86,8 +86,11 @@ PassReport coalesce_collectives(StepGraph& graph, std::int64_t max_bytes) {
   };
   for (std::size_t j = 0; j < nodes.size(); ++j) {
     const Node& n = nodes[j];
+    std::int64_t open_bytes = 0;
+    for (std::size_t m : open) open_bytes += graph.slot(nodes[m].reads[0]).nbytes();
     const bool joins = candidate(n) && !open.empty() && same_call(nodes[open.front()], n) &&
-                       graph.slot(n.reads[0]).dtype == graph.slot(nodes[open.front()].reads[0]).dtype;
+                       graph.slot(n.reads[0]).dtype == graph.slot(nodes[open.front()].reads[0]).dtype &&
+                       open_bytes + graph.slot(n.reads[0]).nbytes() <= max_bytes;
     if (joins) {
       open.push_back(j);
       continue;
@@ -118,10 +121,27 @@ PassReport coalesce_collectives(StepGraph& graph, std::int64_t max_bytes) {
     Node collective = like;
     collective.reads = {packed};
     collective.writes = {packed};
+    const DType dtype = graph.slot(slots[0]).dtype;
     replace_at[members.back()] = {
-        Node{.kind = NodeKind::op, .name = "pack", .reads = slots, .writes = {packed}},
+        Node{.kind = NodeKind::op, .name = "pack", .reads = slots, .writes = {packed},
+             .kernel = [numel, dtype](trace::KernelArgs& a) {
+               Tensor flat = Tensor::empty({numel}, TensorOptions{}.with_dtype(dtype));
+               std::int64_t at = 0;
+               for (const Tensor& t : a.reads) {
+                 flat.view(at, t.shape()).copy_(t);
+                 at += t.numel();
+               }
+               a.writes[0] = std::move(flat);
+             }},
         collective,
-        Node{.kind = NodeKind::op, .name = "unpack", .reads = {packed}, .writes = slots},
+        Node{.kind = NodeKind::op, .name = "unpack", .reads = {packed}, .writes = slots,
+             .kernel = [](trace::KernelArgs& a) {
+               std::int64_t at = 0;
+               for (Tensor& t : a.writes) {
+                 t.copy_(a.reads[0].view(at, t.shape()));
+                 at += t.numel();
+               }
+             }},
     };
     report.removed += static_cast<int>(members.size()) - 1;
   }

@@ -11,12 +11,13 @@
 // (it would reduce the already reduced values): they are left alone.
 //
 // Note [coalesce collectives]
-// Collectives of one kind, op, group and dtype whose slots are each at most `max_bytes` are merged into one call
-// on a packed slot when none of them reads a slot written by another between the first and the last of them, and
+// Consecutive collectives of one kind, op, group and dtype whose slots add up to at most `max_bytes` (a DDP bucket's
+// cap) are merged into one call on a packed slot when none of them reads a slot written by another between the first and the last of them, and
 // no node between them reads or writes their slots. The merged group becomes: op "pack" (reads the inputs,
 // writes the packed slot), the one collective, op "unpack" (reads the packed result, writes the outputs), placed
-// where the last of them was. Only in-place all_reduce is coalesced (what DDP buckets are); the count of calls
-// drops from k to 1, the bytes stay the same.
+// where the last of them was; pack and unpack carry kernels (copies), so an executable graph stays executable.
+// Only in-place all_reduce is coalesced (what DDP buckets are); the count of calls drops from k to 1, the bytes stay
+// the same.
 #pragma once
 
 #include <cstdint>

@@ -108,6 +108,24 @@ TEST(CoalesceCollectives, SmallAllReducesBecomeOneCallWhereTheLastWas) {
   EXPECT_TRUE(g.validate().ok());
 }
 
+TEST(CoalesceCollectives, ABucketHoldsAtMostMaxBytes) {
+  StepGraph g;
+  const SlotId g1 = g.add_slot("g1", DType::f32, {4}), g2 = g.add_slot("g2", DType::f32, {2}),
+               g3 = g.add_slot("g3", DType::f32, {3});
+  for (SlotId s : {g1, g2, g3}) g.add_input(s, "grad");
+  for (SlotId s : {g1, g2, g3}) g.add_collective(CollectiveKind::all_reduce, {s}, {s}, "world");
+  // 16 + 8 bytes fill a 24-byte bucket; g3's 12 would overflow it and stays alone.
+  EXPECT_EQ(coalesce_collectives(g, /*max_bytes=*/24).removed, 1);
+  EXPECT_EQ(g.to_text(),
+            "0: input grad writes [g1]\n"
+            "1: input grad writes [g2]\n"
+            "2: input grad writes [g3]\n"
+            "3: op pack reads [g1, g2] writes [coalesced.0]\n"
+            "4: collective all_reduce(sum) @world reads [coalesced.0] writes [coalesced.0]\n"
+            "5: op unpack reads [coalesced.0] writes [g1, g2]\n"
+            "6: collective all_reduce(sum) @world reads [g3] writes [g3]\n");
+}
+
 TEST(CoalesceCollectives, AReaderInBetweenKeepsTheCallsApart) {
   StepGraph g;
   const SlotId g1 = g.add_slot("g1", DType::f32, {4}), g2 = g.add_slot("g2", DType::f32, {4}),
