@@ -6,9 +6,11 @@
 // For fp32 AdamW that is 4 streams read and 3 written, 28 bytes per element, which is all the memory
 // traffic the algorithm needs (DESIGN.md section 9). A bf16/f16 parameter is written 64 elements behind
 // the update, from w read back from L1 (Note [rounding lag] in fused_kernels.cc): the same memory
-// traffic, with the rounding off the critical path. The loops are written so gcc vectorises them with
-// -fno-math-errno (Note [no-math-errno] in cmake/ShardkitHelpers.cmake) and, for the f16 conversions,
-// -fno-trapping-math (Note [no-trapping-math] in common/optim/CMakeLists.txt). Checked with
+// traffic, with the rounding off the critical path. The Adam loop runs in 32-element blocks and
+// prefetches w, m, v and the gradient 256 elements ahead (Note [software prefetch]). The loops are
+// written so gcc vectorises them with -fno-math-errno (Note [no-math-errno] in
+// cmake/ShardkitHelpers.cmake) and, for the f16 conversions, -fno-trapping-math (Note [no-trapping-math]
+// in common/optim/CMakeLists.txt). Checked with
 // -fopt-info-vec-optimized: the Adam and SGD loops for every (parameter, gradient) dtype pair and the
 // bf16/f16 rounding loops vectorise, with AVX2 only and with AVX-512.
 //

@@ -139,8 +139,11 @@ void RefSgdStep(Arrays& a, const fused::SgdCoeffs& c) {
   }
 }
 
-// Sizes below one vector, around the kernels' 64-element rounding lag (Note [rounding lag]) and larger.
-const std::int64_t kSizes[] = {1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4096 + 77};
+// Sizes below one vector, around the kernels' 64-element rounding lag (Note [rounding lag]), around the
+// first size the Adam loop runs in prefetching blocks (32-element blocks, 256 ahead, Note [software
+// prefetch]: 288 elements, or 64 + 288 behind the lag), and larger.
+const std::int64_t kSizes[] = {1,   15,  16,  17,  63,  64,  65,  127, 128,  129,
+                               287, 288, 289, 321, 351, 352, 353, 385, 1000, 4096 + 77};
 
 // Master weights in [-1, 1) with, every 97 elements, one of the values whose rounding is delicate.
 Arrays MakeArrays(std::int64_t n, std::uint64_t seed) {
@@ -249,6 +252,40 @@ TEST(FusedStepTest, SgdBf16MasterStepEqualsScalarReferenceBitwise) {
       ExpectSameBits(k.w, a.w, "master");
       if (c.has_momentum) ExpectSameBits(k.m, a.m, "momentum_buffer");
       ExpectRoundedMaster(p, a.w);
+    }
+  }
+}
+
+// An fp32 parameter (no rounded copy): the update loop alone, for each gradient dtype.
+TEST(FusedStepTest, AdamFp32StepEqualsScalarReferenceBitwise) {
+  for (std::int64_t n : kSizes) {
+    for (bool decoupled : {true, false}) {
+      for (DType grad_dtype : {DType::f32, DType::bf16, DType::f16}) {
+        SCOPED_TRACE("n = " + std::to_string(n) + (decoupled ? ", AdamW" : ", Adam") + ", grad " +
+                     std::string(dtype_name(grad_dtype)));
+        Arrays a = MakeArrays(n, static_cast<std::uint64_t>(n) + 13);
+        const std::vector<bf16_t> g_bf16 = Narrowed<bf16_t>(a.g);
+        const std::vector<f16_t> g_f16 = Narrowed<f16_t>(a.g);
+        const void* grad = a.g.data();
+        if (grad_dtype == DType::bf16) {
+          a.g = Widened(g_bf16);
+          grad = g_bf16.data();
+        } else if (grad_dtype == DType::f16) {
+          for (std::size_t i = 0; i < a.g.size(); ++i) a.g[i] = f16_to_f32(g_f16[i]);
+          grad = g_f16.data();
+        }
+        HyperParams h;
+        h.lr = 1e-2;
+        h.weight_decay = 0.1;
+        h.maximize = !decoupled;  // the sign too
+        const fused::AdamCoeffs c = fused::adam_coeffs(h, 4, decoupled);
+        Arrays k = a;
+        fused::adam_step(k.w.data(), nullptr, DType::f32, grad, grad_dtype, k.m.data(), k.v.data(), n, c);
+        RefAdamStep(a, c);
+        ExpectSameBits(k.w, a.w, "param");
+        ExpectSameBits(k.m, a.m, "exp_avg");
+        ExpectSameBits(k.v, a.v, "exp_avg_sq");
+      }
     }
   }
 }
