@@ -241,6 +241,8 @@ absl::Status Executor::run() {
       if (!out.defined()) {
         const Slot& slot = graph_.slot(n.writes[0]);
         out = Tensor::empty(slot.shape, TensorOptions{}.with_dtype(slot.dtype));
+      } else if (out.storage_released()) {
+        out.reallocate_storage();  // gathered again into the bytes a reshard gave back (what saved views point at)
       }
       std::shared_ptr<comm::Work> work;
       switch (n.collective) {

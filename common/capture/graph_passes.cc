@@ -42,6 +42,11 @@ PassReport dedup_collectives(StepGraph& graph) {
     const SlotId in = first.reads[0], out = first.writes[0];
     for (std::size_t j = i + 1; j < nodes.size(); ++j) {
       const Node& n = nodes[j];
+      if (!removed[j] && same_call(first, n) && n.reads[0] == in && n.writes[0] == out) {
+        removed[j] = true;  // the same call into the same slot, nothing written in between: nothing to redo
+        ++report.removed;
+        continue;
+      }
       if (!removed[j] && same_call(first, n) && n.reads[0] == in && n.writes[0] != out &&
           writers_of(nodes, n.writes[0]) == 1) {
         removed[j] = true;

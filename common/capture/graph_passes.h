@@ -6,7 +6,9 @@
 // nothing writes that slot between them: the second would compute what the first did. When in addition
 // (all_gather / reduce_scatter) nothing writes the first one's output slot between them, the second is removed
 // and every later read of its output slot reads the first's output instead (an FSDP unit whose parameters are
-// used twice in forward: one all_gather, not two; a parameter shared by two units). In-place collectives
+// used twice in forward: one all_gather, not two; a parameter shared by two units). A second call that writes the
+// first one's own output slot (a parallel mode gathers a parameter into one slot before each use) is removed with
+// nothing to rename. In-place collectives
 // (all_reduce, broadcast, reduce) read and write one slot, so a second one on that slot is never a duplicate
 // (it would reduce the already reduced values): they are left alone.
 //

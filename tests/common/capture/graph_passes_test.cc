@@ -78,6 +78,31 @@ TEST(DedupCollectives, OtherGroupsOrOpsAreDifferentCalls) {
   EXPECT_EQ(dedup_collectives(g).removed, 0);
 }
 
+TEST(DedupCollectives, AGatherRepeatedIntoItsOwnSlotIsRemovedUntilTheSlotIsWritten) {
+  StepGraph g;
+  const SlotId shard = g.add_slot("shard", DType::f32, {4}), full = g.add_slot("full", DType::f32, {8}),
+               x = g.add_slot("x", DType::f32, {8}), y = g.add_slot("y", DType::f32, {8});
+  g.add_input(shard, "shard");
+  g.add_input(x, "x");
+  g.add_collective(CollectiveKind::all_gather, {shard}, {full}, "world");
+  g.add_op("linear", {x, full}, {y});
+  g.add_collective(CollectiveKind::all_gather, {shard}, {full}, "world");  // the same again: removed
+  g.add_op("linear", {y, full}, {y});
+  g.add_op("reshard", {full}, {full});                                      // writes full: the next one stays
+  g.add_collective(CollectiveKind::all_gather, {shard}, {full}, "world");
+  g.add_op("linear_backward", {y, full}, {x});
+  EXPECT_EQ(dedup_collectives(g).removed, 1);
+  EXPECT_EQ(g.to_text(),
+            "0: input shard writes [shard]\n"
+            "1: input x writes [x]\n"
+            "2: collective all_gather @world reads [shard] writes [full]\n"
+            "3: op linear reads [x, full] writes [y]\n"
+            "4: op linear reads [y, full] writes [y]\n"
+            "5: op reshard reads [full] writes [full]\n"
+            "6: collective all_gather @world reads [shard] writes [full]\n"
+            "7: op linear_backward reads [y, full] writes [x]\n");
+}
+
 TEST(CoalesceCollectives, SmallAllReducesBecomeOneCallWhereTheLastWas) {
   StepGraph g;
   const SlotId g1 = g.add_slot("g1", DType::f32, {4}), g2 = g.add_slot("g2", DType::f32, {2}),

@@ -1,0 +1,207 @@
+#include "fsdp/fully_shard_mode.h"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/capture/param_slots.h"
+
+namespace shardkit::fsdp {
+namespace {
+
+using capture::Node;
+using capture::NodeKind;
+using capture::SlotId;
+using capture::StepGraph;
+
+bool reads_any(const Node& n, const std::set<SlotId>& slots) {
+  return std::any_of(n.reads.begin(), n.reads.end(), [&](SlotId s) { return slots.count(s) > 0; });
+}
+
+Node collective(comm::CollectiveKind kind, SlotId in, SlotId out, const std::string& group,
+                comm::ReduceOp op = comm::ReduceOp::sum()) {
+  return Node{.kind = NodeKind::collective,
+              .name = std::string(comm::collective_kind_name(kind)),
+              .reads = {in},
+              .writes = {out},
+              .collective = kind,
+              .reduce_op = op,
+              .group = group};
+}
+
+Node op(std::string name, std::vector<SlotId> reads, std::vector<SlotId> writes, trace::Kernel kernel) {
+  return Node{.kind = NodeKind::op, .name = std::move(name), .reads = std::move(reads), .writes = std::move(writes),
+              .kernel = std::move(kernel)};
+}
+
+}  // namespace
+
+FullyShardMode::FullyShardMode(std::shared_ptr<comm::ProcessGroup> group) : group_(std::move(group)) {}
+
+std::map<std::string, std::shared_ptr<comm::ProcessGroup>> FullyShardMode::groups() const {
+  return {{group_->name(), group_}};
+}
+
+Tensor FullyShardMode::make_shard(const Tensor& full) const {
+  const std::int64_t n = full.numel();
+  const std::int64_t world = group_->size();
+  const std::int64_t rows = (n + world - 1) / world;
+  const std::int64_t start = std::min(n, rows * group_->rank());
+  const std::int64_t length = std::min(rows, n - start);
+  Tensor shard = Tensor::zeros({rows}, TensorOptions{}.with_category(full.storage()->category()));
+  if (length > 0) shard.view(0, {length}).copy_(full.view(start, {length}));
+  return shard;
+}
+
+std::int64_t FullyShardMode::shard_bytes() const {
+  std::int64_t bytes = 0;
+  for (const Sharded& s : sharded_) bytes += static_cast<std::int64_t>(s.shard.nbytes());
+  return bytes;
+}
+
+absl::Status FullyShardMode::unshard_parameters() {
+  for (const Sharded& s : sharded_) {
+    Tensor gathered = Tensor::empty({s.shard.numel() * group_->size()});
+    if (absl::Status st = group_->all_gather(gathered, s.shard)->wait(group_->default_timeout()); !st.ok()) return st;
+    if (s.full.storage_released()) s.full.reallocate_storage();
+    s.full.copy_(gathered.view(0, s.full.shape()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FullyShardMode::expand(StepGraph& graph) {
+  absl::StatusOr<std::vector<capture::ParamSlots>> params = capture::find_param_slots(graph);
+  if (!params.ok()) return params.status();
+  const std::vector<Node> nodes = graph.nodes();
+  const std::string& group = group_->name();
+  const std::int64_t world = group_->size();
+
+  // Backward starts at the root gradient ("ones") or the first node of the backward engine.
+  std::size_t first_backward = nodes.size();
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    if (nodes[i].grad_fn_slot >= 0 || (nodes[i].kind == NodeKind::op && nodes[i].name == "ones")) {
+      first_backward = i;
+      break;
+    }
+  }
+  std::map<SlotId, std::size_t> first_writer;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    for (SlotId w : nodes[i].writes) first_writer.emplace(w, i);
+  }
+
+  std::map<std::size_t, std::vector<Node>> before, after;
+  std::map<std::size_t, Node> replaced;
+  std::set<SlotId> no_longer_inputs;
+  std::vector<Node> shard_inputs;
+  std::vector<Sharded> sharded;
+  auto shard_input = [&](SlotId full_slot) -> absl::StatusOr<SlotId> {
+    const capture::Slot& slot = graph.slot(full_slot);
+    if (!slot.value.defined() || slot.value.dtype() != DType::f32) {
+      return absl::InvalidArgumentError(absl::StrCat("fully_shard mode: expected '", slot.name,
+                                                     "' to be an f32 input of the step"));
+    }
+    const Tensor shard = make_shard(slot.value);
+    const SlotId id = graph.add_slot(absl::StrCat("shard.", slot.name), DType::f32, shard.shape());
+    graph.mutable_slot(id).value = shard;
+    shard_inputs.push_back(Node{.kind = NodeKind::input, .name = graph.slot(id).name, .reads = {}, .writes = {id}});
+    sharded.push_back({slot.value, shard});
+    no_longer_inputs.insert(full_slot);
+    return id;
+  };
+
+  for (const capture::ParamSlots& p : *params) {
+    const capture::Slot& param = graph.slot(p.param);
+    if (p.weights != p.param) {
+      return absl::UnimplementedError(absl::StrCat("fully_shard mode: '", param.name,
+                                                   "' has fp32 master weights (bf16/f16); not sharded yet"));
+    }
+    const std::int64_t numel = param.numel();
+    const std::int64_t rows = (numel + world - 1) / world;
+    const Shape shape = param.shape;
+    // The parameter and the views of it the graph names (their backward nodes hold the same bytes).
+    std::set<SlotId> alias = {p.param};
+    for (const Node& n : nodes) {
+      if (n.kind == NodeKind::op && (n.name == "view" || n.name == "reshape") && reads_any(n, alias)) {
+        alias.insert(n.writes.begin(), n.writes.end());
+      }
+    }
+    absl::StatusOr<SlotId> shard = shard_input(p.param);
+    if (!shard.ok()) return shard.status();
+    const SlotId gathered = graph.add_slot(absl::StrCat("gathered.", param.name), DType::f32, {rows * world});
+    const SlotId grad_shard = graph.add_slot(absl::StrCat("grad_shard.", param.name), DType::f32, {rows});
+
+    std::vector<std::size_t> forward_uses, backward_uses;
+    for (std::size_t j = 0; j < nodes.size(); ++j) {
+      if (static_cast<int>(j) == p.update) continue;
+      const Node& n = nodes[j];
+      bool uses = reads_any(n, alias);
+      if (!uses && n.grad_fn_slot >= 0) {
+        auto w = first_writer.find(n.grad_fn_slot);
+        uses = w != first_writer.end() && reads_any(nodes[w->second], alias);
+      }
+      if (uses) (j < first_backward ? forward_uses : backward_uses).push_back(j);
+    }
+    auto reshard = op("reshard", {gathered}, {gathered}, [](trace::KernelArgs& a) { a.writes[0].release_storage(); });
+    for (std::size_t j : forward_uses) {
+      before[j].push_back(collective(comm::CollectiveKind::all_gather, *shard, gathered, group));
+      before[j].push_back(op("unshard_view", {gathered}, {p.param}, [shape](trace::KernelArgs& a) {
+        Tensor v = Tensor::over(a.reads[0].storage(), a.reads[0].offset_bytes(), shape, DType::f32);
+        v.set_requires_grad(true);
+        a.writes[0] = std::move(v);
+      }));
+    }
+    if (!forward_uses.empty()) after[forward_uses.back()].push_back(reshard);
+    for (std::size_t j : backward_uses) {
+      before[j].push_back(collective(comm::CollectiveKind::all_gather, *shard, gathered, group));
+      // Backward nodes read the parameter through what they saved: this makes the replay wait for the gather.
+      before[j].push_back(op("await_unshard", {gathered}, {}, [](trace::KernelArgs&) {}));
+    }
+    if (!backward_uses.empty()) after[backward_uses.back()].push_back(reshard);
+
+    // The gradient: padded to N * rows when needed, then reduce_scatter(avg) into this rank's rows.
+    SlotId scatter_in = p.grad;
+    std::vector<Node>& grad_nodes = after[static_cast<std::size_t>(p.grad_done)];
+    if (rows * world != numel) {
+      scatter_in = graph.add_slot(absl::StrCat("padded_grad.", param.name), DType::f32, {rows * world});
+      grad_nodes.push_back(op("pad", {p.grad}, {scatter_in}, [numel, padded = rows * world](trace::KernelArgs& a) {
+        Tensor t = Tensor::zeros({padded});
+        t.view(0, {numel}).copy_(a.reads[0]);
+        a.writes[0] = std::move(t);
+      }));
+    }
+    grad_nodes.push_back(collective(comm::CollectiveKind::reduce_scatter, scatter_in, grad_shard, group,
+                                    comm::ReduceOp::avg()));
+
+    // The update on the shards: [param, grad, state...] -> [param, state...].
+    Node update = nodes[static_cast<std::size_t>(p.update)];
+    update.reads = {*shard, grad_shard};
+    update.writes = {*shard};
+    for (SlotId st : p.state) {
+      absl::StatusOr<SlotId> st_shard = shard_input(st);
+      if (!st_shard.ok()) return st_shard.status();
+      update.reads.push_back(*st_shard);
+      update.writes.push_back(*st_shard);
+    }
+    replaced[static_cast<std::size_t>(p.update)] = std::move(update);
+  }
+
+  std::vector<Node> out = std::move(shard_inputs);
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const Node& n = nodes[i];
+    if (n.kind == NodeKind::input && no_longer_inputs.count(n.writes[0])) continue;
+    if (auto it = before.find(i); it != before.end()) out.insert(out.end(), it->second.begin(), it->second.end());
+    auto r = replaced.find(i);
+    out.push_back(r != replaced.end() ? r->second : n);
+    if (auto it = after.find(i); it != after.end()) out.insert(out.end(), it->second.begin(), it->second.end());
+  }
+  graph.mutable_nodes() = std::move(out);
+  for (SlotId s : no_longer_inputs) graph.mutable_slot(s).value = Tensor();
+  if (absl::Status s = graph.validate(); !s.ok()) return s;
+  // The shards are the truth from here on: the full tensors give their bytes back.
+  for (const Sharded& s : sharded) s.full.release_storage();
+  sharded_ = std::move(sharded);
+  return absl::OkStatus();
+}
+
+}  // namespace shardkit::fsdp
