@@ -33,6 +33,7 @@ namespace {
 using shardkit::testing::Field;
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 namespace fs = std::filesystem;
 
@@ -284,6 +285,35 @@ double MeanLoss(const std::vector<nlohmann::json>& lines, std::size_t first, std
 
 // bf16 mixed precision trains under every strategy: over 40 steps the loss falls well below where it started, and
 // ends within 5% of the fp32 run's (the same seed and data).
+// --compile (issue 16): the captured and replayed step trains exactly as the eager strategy it replaces (same
+// final loss, same parameter digest), and the report shows its graph.
+TEST(ShardkitTrain, CompileTrainsBitForBitLikeTheEagerStrategy) {
+  for (const std::string strategy : {"ddp", "fsdp"}) {
+    SCOPED_TRACE(strategy);
+    const std::vector<std::string> common = {"--strategy", strategy, "--ranks", "3", "--steps", "12",
+                                             "--model", "tiny", "--sample", "0"};
+    const auto eager = Train(common);
+    std::vector<std::string> args = common;
+    args.push_back("--compile");
+    const auto compiled = Train(args);
+    ASSERT_EQ(eager.exit_code, 0) << eager.err;
+    ASSERT_EQ(compiled.exit_code, 0) << compiled.err;
+    EXPECT_EQ(Field(compiled.out, "final loss:"), Field(eager.out, "final loss:"));
+    EXPECT_EQ(Field(compiled.out, "parameter digest:"), Field(eager.out, "parameter digest:"));
+    EXPECT_THAT(compiled.out, HasSubstr("compiled step (--compile):"));
+    EXPECT_THAT(compiled.out, HasSubstr(strategy == "ddp" ? "replicate mode" : "collective/all_gather 56"));
+    EXPECT_THAT(eager.out, Not(HasSubstr("compiled step")));
+  }
+}
+
+TEST(ShardkitTrainBadInput, CompileRefusesWhatItDoesNotCoverYet) {
+  ExpectOneLineError(Train({"--compile", "--strategy", "oss"}), "--compile: expected --strategy ddp");
+  ExpectOneLineError(Train({"--compile", "--strategy", "ddp", "--precision", "bf16"}),
+                     "--compile: expected --precision fp32");
+  ExpectOneLineError(Train({"--compile", "--strategy", "fsdp", "--checkpoint-dir", TempDir("compile_ckpt")}),
+                     "--compile --strategy fsdp: expected no --checkpoint-dir or --export");
+}
+
 TEST(ShardkitTrain, Bf16TrainsEveryStrategy) {
   const std::string dir = TempDir("bf16_trains");
   fs::create_directories(dir);

@@ -232,6 +232,8 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       o.compare = true;
     } else if (flag == "--checkpoint-activations") {
       o.checkpoint_activations = true;
+    } else if (flag == "--compile") {
+      o.compile = true;
     } else if (flag == "--svg") {
       auto v = next();
       if (!v.ok()) return v.status();
@@ -262,6 +264,25 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
   }
   if (o.resume && !o.init_from.empty()) {
     return absl::InvalidArgumentError("expected --init-from or --resume, found both (a checkpoint holds the weights)");
+  }
+  // Note [--compile] in trainer.cc: what the compiled step covers so far.
+  if (o.compile) {
+    if (o.strategy != Strategy::ddp && o.strategy != Strategy::fsdp) {
+      return absl::InvalidArgumentError(absl::StrCat("--compile: expected --strategy ddp (the replicate mode) or fsdp (the "
+                                                     "fully-shard mode), found ", strategy_name(o.strategy)));
+    }
+    if (o.compare) return absl::InvalidArgumentError("--compile: expected no --compare (it runs every strategy)");
+    if (o.precision != Precision::fp32) {
+      return absl::InvalidArgumentError("--compile: expected --precision fp32 (bf16 master weights are not captured yet)");
+    }
+    if (o.checkpoint_activations) {
+      return absl::InvalidArgumentError("--compile: expected no --checkpoint-activations (its recomputation is not captured yet)");
+    }
+    if (o.strategy == Strategy::fsdp && (!o.checkpoint_dir.empty() || !o.export_path.empty())) {
+      return absl::InvalidArgumentError(
+          "--compile --strategy fsdp: expected no --checkpoint-dir or --export (the compiled step's shards are not "
+          "checkpointed yet)");
+    }
   }
   return o;
 }
@@ -299,6 +320,8 @@ std::string usage() {
       "  --resume                continue from DIR's checkpoint (written at any --ranks, by any --strategy)\n"
       "  --overwrite             replace the checkpoint DIR holds (of another run) instead of refusing\n"
       "  --compare               run every strategy on the same model and data; table + SVG (--svg FILE)\n"
+      "  --compile               capture the training step once and replay it (ddp: the replicate mode, fsdp: the\n"
+      "                          fully-shard mode; fp32); the report shows the step's graph\n"
       "  --checkpoint-activations\n"
       "                          recompute each transformer block's activations in backward instead of keeping\n"
       "                          them (same results, less activation memory); the report shows the activation\n"

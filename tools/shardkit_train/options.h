@@ -92,6 +92,8 @@ struct Options {
   // recomputed in backward; the report shows the activation peak with it and without it (Note [activation peak
   // without checkpointing] in trainer.cc).
   bool checkpoint_activations = false;
+  // --compile: the step is captured on the first call and replayed (Note [--compile] in trainer.cc).
+  bool compile = false;
   std::string svg = "shardkit-compare.svg";
   std::int64_t sample_bytes = 160;  // --sample, in [0, kMaxSampleBytes]
   // --timeout S: every collective's deadline (threads and processes; over SHARDKIT_TIMEOUT); empty: the default.

@@ -228,6 +228,7 @@ std::string run_report(const Options& o, const RunResult& r) {
   for (int rk = 0; rk < n; ++rk) absl::StrAppend(&out, rk == 0 ? " " : ", ", with_commas(r.ranks[static_cast<std::size_t>(rk)].bytes_sent_per_step));
   absl::StrAppend(&out, absl::StrFormat("  (= %.2f x 4Psi)\n", static_cast<double>(r.ranks[0].bytes_sent_per_step) / (4.0 * static_cast<double>(psi))));
   absl::StrAppend(&out, "  expected: ", expected_comm(o, r), "\n");
+  if (!r.compiled_graph.empty()) absl::StrAppend(&out, "\ncompiled step (--compile):\n", r.compiled_graph);
   if (!r.sample.empty()) absl::StrAppend(&out, "\nsample (temperature 0.8):\n", printable(r.sample), "\n");
   if (!r.losses.empty()) absl::StrAppend(&out, absl::StrFormat("\nfinal loss: %.9g\n", r.losses.back()));
   absl::StrAppend(&out, absl::StrFormat("parameter digest: %016x\n", r.param_digest));

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/autograd/engine.h"
 #include "common/autograd/grad_mode.h"
+#include "common/capture/compile.h"
 #include "common/comm/run_ranks.h"
 #include "common/comm/init_from_env.h"
 #include "common/comm/mpi_process_group.h"
@@ -24,11 +25,14 @@
 #include "common/tensor/rank_context.h"
 #include "oss/oss.h"
 #include "tools/shardkit_train/model_files.h"
+#include "tools/shardkit_train/report.h"
 #ifdef SHARDKIT_TRAIN_HAS_SDDP
 #include "sddp/data_parallel.h"
+#include "sddp/replicate_mode.h"
 #endif
 #ifdef SHARDKIT_TRAIN_HAS_FSDP
 #include "fsdp/fully_shard.h"
+#include "fsdp/fully_shard_mode.h"
 #include "fsdp/safetensors_export.h"
 #include "fsdp/state_dict.h"
 #endif
@@ -91,6 +95,12 @@ class Runner {
   virtual void release_model() {}
   // What this rank holds of the state, for a sharded checkpoint (Note [checkpoint format] in checkpoint.h).
   virtual CheckpointSource checkpoint_source(nn::GPT& model) = 0;
+  // --compile: the whole step (forward, backward, update) on (x, y), returning the loss.
+  virtual absl::StatusOr<Tensor> compiled_step(const Tensor& x, const Tensor& y) {
+    return absl::UnimplementedError("this strategy runs eagerly");
+  }
+  // --compile: a summary of the replayed graph (empty otherwise).
+  virtual std::string graph_summary() const { return ""; }
 };
 
 class DdpRunner : public Runner {
@@ -295,8 +305,107 @@ class FsdpRunner : public Runner {
 };
 #endif
 
+#if defined(SHARDKIT_TRAIN_HAS_SDDP) && defined(SHARDKIT_TRAIN_HAS_FSDP)
+// Note [--compile]
+// The step function is the single-rank loop body (forward, backward, AdamW step, zero_grad), written once; the parallel
+// mode makes it data-parallel: ddp -> sddp::ReplicateMode (DDP's bucketed all_reduce, bit for bit), fsdp ->
+// fsdp::FullyShardMode (per-parameter shards, bit for bit eager fully_shard's results). The first step captures
+// (a dry run: nothing is updated while recording) and replays; every later step replays. What it does not cover
+// yet is refused by parse_options: bf16 (master weights), --checkpoint-activations, and for fsdp checkpoints and
+// --export (the shards live in the graph). The loss is seen after the step, so a non-finite loss stops the run after
+// that step's update (eager strategies stop before it; a checkpoint is still never written with it).
+class CompiledRunner : public Runner {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runner>> create(Strategy s, nn::GPT& model,
+                                                        std::shared_ptr<comm::ProcessGroup> pg, const Options& o) {
+    auto opt = optim::AdamW::make({{model.parameters(), hyper(o)}}, hyper(o));
+    if (!opt.ok()) return opt.status();
+    std::unique_ptr<CompiledRunner> r(new CompiledRunner(model, *pg, std::move(*opt)));
+    std::shared_ptr<capture::ParallelMode> mode;
+    if (s == Strategy::ddp) {
+      mode = std::make_shared<sddp::ReplicateMode>(pg);
+    } else {
+      r->fsdp_mode_ = std::make_shared<fsdp::FullyShardMode>(pg);
+      mode = r->fsdp_mode_;
+    }
+    CompiledRunner* self = r.get();
+    r->compiled_.emplace(capture::compile(
+        [self](const std::vector<Tensor>& b) {
+          Tensor loss = self->model_.loss(b[0], b[1]);
+          autograd::backward(loss);
+          if (absl::Status st = self->opt_->step(); !st.ok() && self->step_status_.ok()) self->step_status_ = st;
+          self->opt_->zero_grad();
+          return loss;
+        },
+        model, *r->opt_, {.parallel_mode = std::move(mode)}));
+    return std::unique_ptr<Runner>(std::move(r));
+  }
+  absl::StatusOr<Tensor> compiled_step(const Tensor& x, const Tensor& y) override {
+    step_status_ = absl::OkStatus();
+    absl::StatusOr<Tensor> loss = (*compiled_)({x, y});
+    if (!step_status_.ok()) return step_status_;
+    return loss;
+  }
+  absl::Status backward(const Tensor&) override { return absl::InternalError("--compile: backward is in the step"); }
+  absl::Status step() override { return absl::InternalError("--compile: the update is in the step"); }
+  void zero_grad() override {}
+  void set_lr(double lr) override { opt_->mutable_hyper(0).lr = lr; }
+  absl::StatusOr<std::optional<optim::OptimizerStateDict>> full_state() override {
+    if (fsdp_mode_) return absl::UnimplementedError("--compile --strategy fsdp: the optimizer state is sharded in the graph");
+    if (pg_.rank() != 0) return std::nullopt;
+    return opt_->state_dict();
+  }
+  absl::Status load_state(const optim::OptimizerStateDict& full) override { return opt_->load_state_dict(full); }
+  std::int64_t owned_numel() const override {
+    std::int64_t n = 0;
+    for (const Tensor& p : model_.parameters()) n += fsdp_mode_ ? (p.numel() + pg_.size() - 1) / pg_.size() : p.numel();
+    return n;
+  }
+  // fsdp: the module's parameters whole again (they stay allocated; the shards remain the truth for later steps).
+  absl::Status gather_model() override { return fsdp_mode_ ? fsdp_mode_->unshard_parameters() : absl::OkStatus(); }
+  CheckpointSource checkpoint_source(nn::GPT& model) override { return {.model = &model, .optimizer = opt_.get()}; }
+  std::string graph_summary() const override {
+    const capture::StepGraph* g = compiled_->graph();
+    if (g == nullptr) return "";
+    auto join = [](const std::map<std::string, int>& counts) {
+      std::string out;
+      for (const auto& [kind, n] : counts) absl::StrAppend(&out, out.empty() ? "" : ", ", kind, " ", n);
+      return out;
+    };
+    std::string out = absl::StrCat("captured (one rank's step, before the parallel mode): ",
+                                   join(compiled_->captured_counts()), "\n");
+    absl::StrAppend(&out, "replayed (", fsdp_mode_ ? "fully_shard" : "replicate", " mode, after dedup and buckets): ",
+                    join(g->counts()), "\n");
+    absl::StrAppend(&out, "collectives removed by dedup: ", compiled_->deduplicated(), "; captures: ",
+                    compiled_->captures(), "\n");
+    if (const capture::MemoryPlan* plan = compiled_->memory_plan()) {
+      absl::StrAppend(&out, "memory plan: ", plan->temporary_slots, " step values, peak ", with_commas(plan->peak_bytes),
+                      " bytes, one arena would need ", with_commas(plan->arena_bytes), " bytes\n");
+    }
+    return out;
+  }
+
+ private:
+  CompiledRunner(nn::GPT& model, comm::ProcessGroup& pg, std::unique_ptr<optim::Optimizer> opt)
+      : model_(model), pg_(pg), opt_(std::move(opt)) {}
+  nn::GPT& model_;
+  comm::ProcessGroup& pg_;
+  std::unique_ptr<optim::Optimizer> opt_;
+  std::shared_ptr<fsdp::FullyShardMode> fsdp_mode_;
+  std::optional<capture::CompiledStep> compiled_;
+  absl::Status step_status_;
+};
+#endif
+
 absl::StatusOr<std::unique_ptr<Runner>> make_runner(Strategy s, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
                                                     const Options& o) {
+  if (o.compile) {
+#if defined(SHARDKIT_TRAIN_HAS_SDDP) && defined(SHARDKIT_TRAIN_HAS_FSDP)
+    return CompiledRunner::create(s, model, std::move(pg), o);
+#else
+    return absl::UnimplementedError("--compile needs the sddp and fsdp layers, which this shardkit-train lacks");
+#endif
+  }
   switch (s) {
     case Strategy::ddp: return DdpRunner::create(model, std::move(pg), o);
     case Strategy::oss: return OssRunner::create(model, std::move(pg), o, false);
@@ -468,8 +577,15 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     ledger.reset_peaks();
     const comm::CommCounters c0 = pg->counters();
     auto [x, y] = batch(corpus, o.seed, step, rank, world, o.batch, cfg.context);
-    (*runner)->zero_grad();
-    Tensor loss = model.loss(x, y);
+    Tensor loss;
+    if (o.compile) {  // Note [--compile]: forward, backward and update in one call
+      absl::StatusOr<Tensor> compiled = (*runner)->compiled_step(x, y);
+      if (!compiled.ok()) return compiled.status();
+      loss = *std::move(compiled);
+    } else {
+      (*runner)->zero_grad();
+      loss = model.loss(x, y);
+    }
 
     // Note [non-finite loss]: agree on the loss (and whether any rank's is non-finite) before backward.
     const auto t_display = std::chrono::steady_clock::now();
@@ -485,12 +601,14 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
       const long non_finite_ranks = std::max(1L, std::lround(static_cast<double>(lb[1]) * world));
       return absl::FailedPreconditionError(absl::StrCat(
           "training diverged: the loss at step ", step + 1, " is ", value_str(mean_loss), " (non-finite on ",
-          non_finite_ranks, " of ", world, " ranks); stopped before step ", step + 1, " updated the parameters",
-          last_checkpoint_clause(o, last_checkpoint_step)));
+          non_finite_ranks, " of ", world, " ranks); stopped ", o.compile ? "after" : "before", " step ", step + 1,
+          " updated the parameters", last_checkpoint_clause(o, last_checkpoint_step)));
     }
 
-    SKT_RETURN_IF_ERROR((*runner)->backward(loss));
-    SKT_RETURN_IF_ERROR((*runner)->step());
+    if (!o.compile) {
+      SKT_RETURN_IF_ERROR((*runner)->backward(loss));
+      SKT_RETURN_IF_ERROR((*runner)->step());
+    }
     const MemorySnapshot snap = ledger.snapshot();
     sent += total_sent(pg->counters()) - total_sent(c0) - display_sent;
     ++counted_steps;
@@ -547,6 +665,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     if (o.stop_after_step == step + 1 && rank == 0) ::kill(::getpid(), SIGKILL);  // test-only: a kill between steps
   }
   res.total_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  res.compiled_graph = (*runner)->graph_summary();
   std::int64_t activation_without = -1;
   if (o.checkpoint_activations && counted_steps > 0) {
     auto peak_without = activation_peak_without_checkpointing(model, **runner, ledger, corpus, o, rank, world);

@@ -87,6 +87,7 @@ struct RunResult {
   std::string sample;                   // generated text (rank 0)
   std::uint64_t param_digest = 0;       // FNV-1a 64 of every parameter's bytes at the end
   std::string backend;                  // "in-process threads" / "tcp"
+  std::string compiled_graph;           // --compile: rank 0's graph summary (Note [--compile] in trainer.cc)
 };
 
 // Called on rank 0 after each step (the progress line, the --log file). An error stops the run on every rank.
