@@ -90,6 +90,8 @@ absl::Status CompiledStep::capture(const std::vector<Tensor>& batch, std::string
     if (absl::Status s = options_.parallel_mode->expand(graph); !s.ok()) return s;
     groups = options_.parallel_mode->groups();
   }
+  const std::map<std::string, int> expanded = graph.counts();
+  expanded_collectives_ = expanded.count("collective") ? expanded.at("collective") : 0;
   deduplicated_ = dedup_collectives(graph).removed;
   coalesced_ = options_.coalesce_bytes > 0 ? coalesce_collectives(graph, options_.coalesce_bytes).removed : 0;
   if (options_.transform) {

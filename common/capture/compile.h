@@ -96,6 +96,8 @@ class CompiledStep {
   const ReplayStats* last_stats() const { return executor_ ? &executor_->last_stats() : nullptr; }
   // Node counts of the captured graph before expansion, and the collectives dedup / coalesce removed.
   const std::map<std::string, int>& captured_counts() const { return captured_counts_; }
+  // Collective nodes right after the parallel mode's expansion (before dedup and coalescing).
+  int expanded_collectives() const { return expanded_collectives_; }
   int deduplicated() const { return deduplicated_; }
   int coalesced() const { return coalesced_; }
   int captures() const { return captures_; }
@@ -116,6 +118,7 @@ class CompiledStep {
   SlotId loss_slot_ = -1;
   std::vector<bool> trainable_;
   std::map<std::string, int> captured_counts_;
+  int expanded_collectives_ = 0;
   int deduplicated_ = 0;
   int coalesced_ = 0;
   int captures_ = 0;

@@ -376,8 +376,11 @@ class CompiledRunner : public Runner {
                                    join(compiled_->captured_counts()), "\n");
     absl::StrAppend(&out, "replayed (", fsdp_mode_ ? "fully_shard" : "replicate", " mode, after dedup and buckets): ",
                     join(g->counts()), "\n");
-    absl::StrAppend(&out, "collectives removed by dedup: ", compiled_->deduplicated(), "; captures: ",
-                    compiled_->captures(), "\n");
+    const std::map<std::string, int> counts = g->counts();
+    const int left = counts.count("collective") ? counts.at("collective") : 0;
+    absl::StrAppend(&out, "collectives: ", compiled_->expanded_collectives(), " from the mode",
+                    fsdp_mode_ ? "" : " (gradients already in buckets)", ", ", compiled_->deduplicated(),
+                    " removed by dedup, ", left, " per step; captures: ", compiled_->captures(), "\n");
     if (const capture::MemoryPlan* plan = compiled_->memory_plan()) {
       absl::StrAppend(&out, "memory plan: ", plan->temporary_slots, " step values, peak ", with_commas(plan->peak_bytes),
                       " bytes, one arena would need ", with_commas(plan->arena_bytes), " bytes\n");
