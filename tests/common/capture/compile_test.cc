@@ -108,6 +108,61 @@ TEST(Compile, AComputationTheTracerDoesNotSeeFailsTheCaptureNamingIt) {
   EXPECT_EQ(gpt_tiny::Values(t.model), gpt_tiny::Values(fresh.model));
 }
 
+// A part of the step the recorder cannot see (here: a value computed with Tensor methods) is captured as a
+// placeholder, and an Override gives the graph that replaces it.
+Tensor ScaledReport(const Tensor& loss) {
+  Tensor out = Tensor::full({}, loss.item() * 100.0);  // untraced on purpose
+  record_placeholder("report", {loss}, {out});
+  return out;
+}
+
+TEST(Compile, AnOverrideReplacesAnUntracedPartAtItsPlaceholder) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  Trainer eager, t;
+  auto step = [&](const std::vector<Tensor>& batch) { return ScaledReport(t.eager(batch)); };
+  Override report{.name = "report", .expand = [](StepGraph&, const Node& placeholder) -> absl::StatusOr<std::vector<Node>> {
+                    Node n{.kind = NodeKind::op, .name = "scaled_report", .reads = placeholder.reads,
+                           .writes = placeholder.writes};
+                    n.kernel = [](trace::KernelArgs& a) { a.writes[0] = Tensor::full({}, a.reads[0].item() * 100.0); };
+                    return std::vector<Node>{n};
+                  }};
+  CompiledStep compiled = compile(step, t.model, *t.opt, {.overrides = {report}});
+  for (int s = 0; s < 3; ++s) {
+    const std::vector<Tensor> batch = Batch(s);
+    const double want = eager.eager(batch).item() * 100.0;
+    absl::StatusOr<Tensor> got = compiled(batch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(static_cast<float>(got->item()), static_cast<float>(want)) << "step " << s;
+  }
+  EXPECT_THAT(compiled.graph()->to_text(), HasSubstr("op scaled_report reads [cross_entropy."));
+  // Without the override the placeholder is left, and the executor refuses it.
+  Trainer u;
+  CompiledStep without = compile([&](const std::vector<Tensor>& b) { return ScaledReport(u.eager(b)); }, u.model, *u.opt);
+  absl::StatusOr<Tensor> refused = without(Batch(0));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("placeholder report"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("a placeholder is left"));
+}
+
+TEST(Compile, TheUsersTransformSeesTheFinalGraphAndItsErrorStopsTheCapture) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  Trainer t;
+  int seen_updates = 0;
+  CompiledStep compiled = compile(t.step_fn(), t.model, *t.opt,
+                                  {.transform = [&](StepGraph& g) {
+                                     for (const Node& n : g.nodes()) seen_updates += n.name == "AdamW.update";
+                                     return absl::OkStatus();
+                                   }});
+  ASSERT_TRUE(compiled(Batch(0)).ok());
+  EXPECT_EQ(seen_updates, static_cast<int>(t.model.parameters().size()));
+  Trainer u;
+  CompiledStep refused = compile(u.step_fn(), u.model, *u.opt,
+                                 {.transform = [](StepGraph&) { return absl::AbortedError("transform says no"); }});
+  EXPECT_EQ(refused(Batch(0)).status(), absl::AbortedError("transform says no"));
+}
+
 TEST(Compile, AHookFailsTheCaptureNamingIt) {
   RankContext ctx;
   RankContextScope scope(ctx);
