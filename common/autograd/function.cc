@@ -4,6 +4,7 @@
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/engine.h"
 #include "common/autograd/grad_mode.h"
+#include "common/autograd/ops/op_utils.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -43,7 +44,9 @@ void Function::save_for_backward(const TensorList& tensors) {
   for (const Tensor& t : tensors) saved_.push_back(t.defined() ? t.detach() : Tensor());
 }
 
-TensorList apply_function(const std::shared_ptr<Function>& fn, const TensorList& inputs) {
+namespace {
+
+TensorList apply_function_compute(const std::shared_ptr<Function>& fn, const TensorList& inputs) {
   const bool record = should_record(inputs);
   TensorList outputs;
   {
@@ -70,6 +73,15 @@ TensorList apply_function(const std::shared_ptr<Function>& fn, const TensorList&
     }
   }
   return outputs;
+}
+
+}  // namespace
+
+// Traced as one op (Note [traced ops]): replay calls the function's forward again, which saves what its backward
+// will read, and the node it makes is the one the replayed backward runs.
+TensorList apply_function(const std::shared_ptr<Function>& fn, const TensorList& inputs) {
+  return detail::traced_list(fn->name().c_str(), inputs,
+                             [fn](const TensorList& in) { return apply_function_compute(fn, in); });
 }
 
 }  // namespace shardkit::autograd

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/autograd/engine.h"
+#include "common/autograd/function.h"
 #include "common/autograd/hooks.h"
 #include "common/autograd/ops.h"
 #include "common/nn/gpt.h"
@@ -161,6 +162,47 @@ TEST(Compile, TheUsersTransformSeesTheFinalGraphAndItsErrorStopsTheCapture) {
   CompiledStep refused = compile(u.step_fn(), u.model, *u.opt,
                                  {.transform = [](StepGraph&) { return absl::AbortedError("transform says no"); }});
   EXPECT_EQ(refused(Batch(0)).status(), absl::AbortedError("transform says no"));
+}
+
+// A custom Function (its own forward and backward) is one op: replay runs its forward again, and the backward of
+// the node that made.
+class Cube : public autograd::Function {
+ public:
+  std::string name() const override { return "Cube"; }
+  autograd::TensorList forward(const autograd::TensorList& in) override {
+    save_for_backward({in[0]});
+    return {autograd::mul(in[0], autograd::square(in[0]))};
+  }
+  autograd::TensorList backward(const autograd::TensorList& g) override {
+    const Tensor& x = saved_tensors()[0];
+    return {autograd::mul(g[0], autograd::scale(autograd::square(x), 3.f))};
+  }
+};
+
+TEST(Compile, ACustomFunctionIsReplayedWithItsOwnBackward) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  auto cubed = [](Trainer& t) {
+    return [&t](const std::vector<Tensor>& b) {
+      Tensor loss = autograd::apply_function(std::make_shared<Cube>(), {t.model.loss(b[0], b[1])})[0];
+      autograd::backward(loss);
+      EXPECT_TRUE(t.opt->step().ok());
+      t.opt->zero_grad();
+      return loss;
+    };
+  };
+  Trainer eager, c;
+  const StepFn eager_step = cubed(eager);
+  CompiledStep compiled = compile(cubed(c), c.model, *c.opt);
+  for (int s = 0; s < 5; ++s) {
+    const std::vector<Tensor> batch = Batch(s);
+    const float want = static_cast<float>(eager_step(batch).item());
+    absl::StatusOr<Tensor> got = compiled(batch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(static_cast<float>(got->item()), want) << "step " << s;
+  }
+  EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
+  EXPECT_THAT(compiled.graph()->to_text(), HasSubstr("op CubeBackward"));
 }
 
 TEST(Compile, AHookFailsTheCaptureNamingIt) {
