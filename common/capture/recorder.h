@@ -47,7 +47,7 @@ struct RecorderOptions {
   // Read and updated in place by the step, kept between steps: parameters, buffers, optimizer state (and
   // gradients, when the step does not drop them). The names become the input slots' names.
   std::vector<NamedTensor> state = {};
-  // The step's data: copied into these tensors before each replay (slots "batch.<i>").
+  // The step's data (slots "batch.<i>"); replay binds each call's tensors to those slots (Executor::set_input).
   std::vector<Tensor> batch = {};
   // Inputs that may come into being during the step (an optimizer creates its state at a parameter's first
   // update): asked again when an op reads a tensor that is neither recorded nor a known input.
