@@ -26,9 +26,10 @@ absl::StatusOr<std::vector<ParamSlots>> find_param_slots(const StepGraph& graph)
     p.param = grad_at == 2 ? n.reads[1] : n.reads[0];
     p.grad = n.reads[grad_at];
     p.state.assign(n.reads.begin() + static_cast<std::ptrdiff_t>(grad_at) + 1, n.reads.end());
+    // Note [gradient done]: the backward's last accumulation, not the last write (a clip writes it after).
     for (std::size_t j = i; j-- > 0;) {
-      const std::vector<SlotId>& w = graph.nodes()[j].writes;
-      if (std::find(w.begin(), w.end(), p.grad) != w.end()) {
+      const Node& w = graph.nodes()[j];
+      if (w.name == "accumulate_grad" && std::find(w.writes.begin(), w.writes.end(), p.grad) != w.writes.end()) {
         p.grad_done = static_cast<int>(j);
         break;
       }

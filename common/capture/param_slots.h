@@ -5,6 +5,12 @@
 // common/optim/optimizer.cc), which reads [weights, param (bf16/f16 only), grad, state...] and writes [weights,
 // param, state...]. The gradient is the read that an "accumulate_grad" node (Note [tracing backward] in
 // common/autograd/engine.cc) wrote.
+//
+// Note [gradient done]
+// A gradient is done when the backward's last "accumulate_grad" into it has run: that is where a mode reduces it.
+// Nodes of the step between that and the update that read or write it (clip_grad_norm) then see the reduced
+// gradient, as they do after an eager DDP backward. (Placing the reduction after the last write instead would
+// clip each rank's local gradient: a silent wrong result.)
 #pragma once
 
 #include <string>
@@ -20,7 +26,7 @@ struct ParamSlots {
   SlotId weights = -1;      // what the update writes: the parameter, or its fp32 master for bf16/f16
   SlotId grad = -1;         // the gradient the update reads
   std::vector<SlotId> state;  // the optimizer's state the update reads and writes, in its order (master excluded)
-  int grad_done = -1;       // the last node that writes `grad` before the update
+  int grad_done = -1;       // the backward's last accumulation into `grad` (Note [gradient done])
   int update = -1;          // the update node
 };
 

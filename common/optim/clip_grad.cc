@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "common/kernels/reduce.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit::optim {
 namespace {
@@ -25,18 +27,48 @@ void ScaleLoop(T* __restrict g, std::int64_t n, float f) {
   }
 }
 
-}  // namespace
-
-double grad_norm_partial(absl::Span<const Tensor> params, double norm_type) {
-  CheckNormType(norm_type);
+double PartialOf(absl::Span<const Tensor> grads, double norm_type) {
   double acc = 0.0;
-  for (const Tensor& p : params) {
-    const Tensor g = p.grad();
-    if (!g.defined()) continue;
+  for (const Tensor& g : grads) {
     if (IsInf(norm_type)) acc = std::max(acc, kernels::max_abs(g));
     else acc += kernels::sum_squares(g);
   }
   return acc;
+}
+
+void ScaleEach(absl::Span<const Tensor> grads, double factor) {
+  const auto f = static_cast<float>(factor);
+  for (const Tensor& g : grads) {
+    SK_CHECK(g.device().is_cpu()) << "scale_grads on " << g.describe();
+    switch (g.dtype()) {
+      case DType::f32: ScaleLoop(g.data<float>(), g.numel(), f); break;
+      case DType::bf16: ScaleLoop(g.data<bf16_t>(), g.numel(), f); break;
+      case DType::f16: ScaleLoop(g.data<f16_t>(), g.numel(), f); break;
+      case DType::i64: SK_CHECK(false) << "integer gradient " << g.describe();
+    }
+  }
+}
+
+std::vector<Tensor> GradsOf(absl::Span<const Tensor> params) {
+  std::vector<Tensor> grads;
+  for (const Tensor& p : params) {
+    if (Tensor g = p.grad(); g.defined()) grads.push_back(std::move(g));
+  }
+  return grads;
+}
+
+double ClipEach(absl::Span<const Tensor> grads, double max_norm, double norm_type) {
+  const double total = grad_norm_from_partial(PartialOf(grads, norm_type), norm_type);
+  const double coef = clip_coefficient(total, max_norm);
+  if (!(coef >= 1.0)) ScaleEach(grads, coef);  // NaN scales too, as PyTorch
+  return total;
+}
+
+}  // namespace
+
+double grad_norm_partial(absl::Span<const Tensor> params, double norm_type) {
+  CheckNormType(norm_type);
+  return PartialOf(GradsOf(params), norm_type);
 }
 
 double grad_norm_from_partial(double partial, double norm_type) {
@@ -49,25 +81,24 @@ double clip_coefficient(double total_norm, double max_norm) {
   return c > 1.0 ? 1.0 : c;  // keeps NaN (std::min would not)
 }
 
+// Note [tracing clipping]
+// clip_grad_norm writes the gradients in place with plain kernels, which a captured step would not see (replay would
+// skip the clipping): it reports itself as one op over the gradients (trace_hook.h), whose kernel clips the
+// gradients replay hands it. Its return value is the norm of the captured step only. scale_grads on its own (the
+// sharded clip's last step) is reported unsupported while capturing: it is not replayed yet.
 void scale_grads(absl::Span<const Tensor> params, double factor) {
-  const auto f = static_cast<float>(factor);
-  for (const Tensor& p : params) {
-    const Tensor g = p.grad();
-    if (!g.defined()) continue;
-    SK_CHECK(g.device().is_cpu()) << "scale_grads on " << g.describe();
-    switch (g.dtype()) {
-      case DType::f32: ScaleLoop(g.data<float>(), g.numel(), f); break;
-      case DType::bf16: ScaleLoop(g.data<bf16_t>(), g.numel(), f); break;
-      case DType::f16: ScaleLoop(g.data<f16_t>(), g.numel(), f); break;
-      case DType::i64: SK_CHECK(false) << "integer gradient " << g.describe();
-    }
-  }
+  if (trace::Tracer* t = trace::active_tracer()) t->on_unsupported("optim::scale_grads (in-place gradient writes)");
+  ScaleEach(GradsOf(params), factor);
 }
 
 double clip_grad_norm(absl::Span<const Tensor> params, double max_norm, double norm_type) {
-  const double total = grad_norm_from_partial(grad_norm_partial(params, norm_type), norm_type);
-  const double coef = clip_coefficient(total, max_norm);
-  if (!(coef >= 1.0)) scale_grads(params, coef);  // NaN scales too, as PyTorch
+  CheckNormType(norm_type);
+  trace::OpTraceScope scope;
+  const std::vector<Tensor> grads = GradsOf(params);
+  const double total = ClipEach(grads, max_norm, norm_type);
+  scope.record("clip_grad_norm", grads, grads, [max_norm, norm_type](trace::KernelArgs& a) {
+    ClipEach(a.writes, max_norm, norm_type);
+  });
   return total;
 }
 

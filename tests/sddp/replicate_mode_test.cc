@@ -11,6 +11,7 @@
 #include "common/comm/testing/run_ranks.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
+#include "common/optim/clip_grad.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "sddp/data_parallel.h"
@@ -74,6 +75,49 @@ TEST_P(ReplicateModeTest, TwentyStepsEqualEagerDdpBitwise) {
     const auto& want = eager_values[static_cast<std::size_t>(r)];
     ASSERT_EQ(got.size(), want.size());
     for (std::size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(got[i] == want[i]) << "rank " << r << " parameter " << i;
+  }
+}
+
+// Clipping in the single-rank step clips the averaged gradients, as with eager DDP (clip after backward): the
+// all_reduce goes right after the backward finished the gradient, before the clip reads it.
+TEST(ReplicateMode, ClippingInTheStepClipsTheAveragedGradientsLikeEagerDdp) {
+  constexpr int kWorld = 2;
+  constexpr double kMaxNorm = 0.05;  // small enough that every step clips
+  std::vector<std::vector<std::vector<float>>> eager_values(kWorld), compiled_values(kWorld);
+  absl::Status st = comm::RunRanks(kWorld, [&](comm::RankEnv& env) -> absl::Status {
+    const int rows = kBatch / env.world_size;
+    nn::GPT eager_model(TinyConfig(), 1), compiled_model(TinyConfig(), 1);
+    optim::AdamW eager_opt(eager_model.parameters()), compiled_opt(compiled_model.parameters());
+    auto ddp = DistributedDataParallel::create(eager_model, env.group_ptr);
+    if (!ddp.ok()) return ddp.status();
+    capture::CompiledStep compiled = capture::compile(
+        [&](const std::vector<Tensor>& batch) {
+          Tensor loss = compiled_model.loss(batch[0], batch[1]);
+          autograd::backward(loss);
+          optim::clip_grad_norm(compiled_model.parameters(), kMaxNorm);
+          EXPECT_TRUE(compiled_opt.step().ok());
+          compiled_opt.zero_grad();
+          return loss;
+        },
+        compiled_model, compiled_opt, {.parallel_mode = std::make_shared<ReplicateMode>(env.group_ptr)});
+    for (int step = 0; step < 5; ++step) {
+      auto [x, y] = Batch(step, env.rank * rows, rows);
+      eager_opt.zero_grad();
+      if (absl::Status s = autograd::try_backward(eager_model.loss(x, y)); !s.ok()) return s;
+      const double norm = optim::clip_grad_norm(eager_model.parameters(), kMaxNorm);
+      EXPECT_GT(norm, kMaxNorm);
+      if (absl::Status s = eager_opt.step(); !s.ok()) return s;
+      if (absl::StatusOr<Tensor> loss = compiled({x, y}); !loss.ok()) return loss.status();
+    }
+    eager_values[static_cast<std::size_t>(env.rank)] = Values(eager_model);
+    compiled_values[static_cast<std::size_t>(env.rank)] = Values(compiled_model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  for (std::size_t r = 0; r < kWorld; ++r) {
+    for (std::size_t i = 0; i < eager_values[r].size(); ++i) {
+      EXPECT_TRUE(compiled_values[r][i] == eager_values[r][i]) << "rank " << r << " parameter " << i;
+    }
   }
 }
 

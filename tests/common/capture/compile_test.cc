@@ -11,6 +11,7 @@
 #include "common/autograd/ops.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
+#include "common/optim/clip_grad.h"
 #include "common/tensor/rank_context.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -203,6 +204,34 @@ TEST(Compile, ACustomFunctionIsReplayedWithItsOwnBackward) {
   }
   EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
   EXPECT_THAT(compiled.graph()->to_text(), HasSubstr("op CubeBackward"));
+}
+
+// clip_grad_norm scales the gradients in place with plain kernels; it reports itself (Note [tracing clipping]), so
+// replay clips too.
+TEST(Compile, ClippingInTheStepIsReplayed) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  auto clipped = [](Trainer& t) {
+    return [&t](const std::vector<Tensor>& b) {
+      Tensor loss = t.model.loss(b[0], b[1]);
+      autograd::backward(loss);
+      EXPECT_GT(optim::clip_grad_norm(t.model.parameters(), 0.05), 0.05);  // every step clips
+      EXPECT_TRUE(t.opt->step().ok());
+      t.opt->zero_grad();
+      return loss;
+    };
+  };
+  Trainer eager, c;
+  const StepFn eager_step = clipped(eager);
+  CompiledStep compiled = compile(clipped(c), c.model, *c.opt);
+  for (int s = 0; s < 5; ++s) {
+    const std::vector<Tensor> batch = Batch(s);
+    const float want = static_cast<float>(eager_step(batch).item());
+    absl::StatusOr<Tensor> got = compiled(batch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(static_cast<float>(got->item()), want) << "step " << s;
+  }
+  EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
 }
 
 TEST(Compile, AHookFailsTheCaptureNamingIt) {
