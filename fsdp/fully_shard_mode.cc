@@ -116,6 +116,19 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
       return absl::UnimplementedError(absl::StrCat("fully_shard mode: '", param.name,
                                                    "' has fp32 master weights (bf16/f16); not sharded yet"));
     }
+    // The gradient is reduce-scattered when the backward is done with it (Note [gradient done]); a node that uses
+    // the full gradient after that would see this rank's unreduced values.
+    for (int j = p.grad_done + 1; j < p.update; ++j) {
+      const Node& n = nodes[static_cast<std::size_t>(j)];
+      const bool uses = std::find(n.reads.begin(), n.reads.end(), p.grad) != n.reads.end() ||
+                        std::find(n.writes.begin(), n.writes.end(), p.grad) != n.writes.end();
+      if (uses) {
+        return absl::UnimplementedError(absl::StrCat(
+            "fully_shard mode: node ", j, " (", capture::describe(n), ") uses the gradient of '", param.name,
+            "' after the backward, where the mode reduce-scatters it; it would see this rank's unreduced gradient "
+            "(clipping under the fully-shard mode is not supported yet: clip in eager fsdp with fsdp::clip_grad_norm)"));
+      }
+    }
     const std::int64_t numel = param.numel();
     const std::int64_t rows = (numel + world - 1) / world;
     const Shape shape = param.shape;

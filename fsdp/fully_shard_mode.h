@@ -21,7 +21,8 @@
 // before every recapture, so the step can run eagerly again.
 //
 // Limits (each an InvalidArgument / Unimplemented from expand(), never a wrong answer): bf16/f16 parameters with
-// fp32 master weights are not sharded yet; a parameter must be read in forward through ops or views the graph
+// fp32 master weights are not sharded yet; a node that uses a full gradient between the backward and the update
+// (clip_grad_norm) is refused, since the gradient is reduce-scattered by then; a parameter must be read in forward through ops or views the graph
 // names ("reshape", "view"). Frozen parameters (no update) stay whole on every rank.
 //
 // Ownership: holds the group; refers to nothing else after expand() (it keeps the tensors it shards).

@@ -14,6 +14,7 @@
 #include "common/comm/testing/run_ranks.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
+#include "common/optim/clip_grad.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/fsdp/fsdp_test_util.h"
@@ -35,20 +36,19 @@ capture::StepFn TrainStep(nn::GPT& model, optim::Optimizer& opt) {
   };
 }
 
-class FullyShardModeTest : public ::testing::TestWithParam<int> {};
-
-TEST_P(FullyShardModeTest, TwentyStepsEqualEagerFsdp) {
-  const int world = GetParam();
+// `steps` steps of GPT `config` on `world` ranks, eager fsdp (test_util::ShardGpt) and compiled with the fully-shard
+// mode, from the same initial values: every loss and every parameter afterwards equal bit for bit.
+void ExpectCompiledEqualsEager(int world, const nn::GPTConfig& config, int steps) {
   std::vector<std::vector<std::vector<float>>> eager_values(world), compiled_values(world);
   std::vector<std::vector<float>> eager_losses(world), compiled_losses(world);
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     const int rows = kBatch / env.world_size;
     const auto r = static_cast<std::size_t>(env.rank);
     {
-      nn::GPT model(TinyConfig(), 1);
+      nn::GPT model(config, 1);
       if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
       optim::AdamW opt(model.parameters());
-      for (int step = 0; step < 20; ++step) {
+      for (int step = 0; step < steps; ++step) {
         auto [x, y] = Batch(step, env.rank * rows, rows);
         opt.zero_grad();
         Tensor loss = model.loss(x, y);
@@ -58,11 +58,11 @@ TEST_P(FullyShardModeTest, TwentyStepsEqualEagerFsdp) {
       }
       if (absl::Status s = test_util::StoreFullValues(model, eager_values, env.rank); !s.ok()) return s;
     }
-    nn::GPT model(TinyConfig(), 1);
+    nn::GPT model(config, 1);
     optim::AdamW opt(model.parameters());
     auto mode = std::make_shared<FullyShardMode>(env.group_ptr);
     capture::CompiledStep compiled = capture::compile(TrainStep(model, opt), model, opt, {.parallel_mode = mode});
-    for (int step = 0; step < 20; ++step) {
+    for (int step = 0; step < steps; ++step) {
       auto [x, y] = Batch(step, env.rank * rows, rows);
       absl::StatusOr<Tensor> loss = compiled({x, y});
       if (!loss.ok()) return loss.status();
@@ -88,8 +88,47 @@ TEST_P(FullyShardModeTest, TwentyStepsEqualEagerFsdp) {
   }
 }
 
+class FullyShardModeTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(FullyShardModeTest, TwentyStepsEqualEagerFsdp) { ExpectCompiledEqualsEager(GetParam(), TinyConfig(), 20); }
+
+// Twelve blocks: a graph with as many slots as gpt-10m's (1,000+ nodes), so expand() adds slots past the slot list's
+// capacity and the list moves while the mode shards it (expand() read a moved slot and aborted on gpt-10m).
+TEST(FullyShardMode, ATwelveBlockGptEqualsEagerFsdp) {
+  nn::GPTConfig deep = TinyConfig();
+  deep.num_layers = 12;
+  ExpectCompiledEqualsEager(2, deep, 2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, FullyShardModeTest, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return absl::StrCat("n", info.param); });
+
+// The mode reduce-scatters a gradient when the backward is done with it; a node of the step that still reads the
+// full gradient afterwards (clip_grad_norm) would see this rank's unreduced values: refused, naming it.
+TEST(FullyShardMode, AStepThatClipsTheFullGradientsIsRefused) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    const int rows = kBatch / env.world_size;
+    nn::GPT model(TinyConfig(), 1);
+    optim::AdamW opt(model.parameters());
+    capture::CompiledStep compiled = capture::compile(
+        [&](const std::vector<Tensor>& batch) {
+          Tensor loss = model.loss(batch[0], batch[1]);
+          autograd::backward(loss);
+          optim::clip_grad_norm(model.parameters(), 1.0);
+          EXPECT_TRUE(opt.step().ok());
+          opt.zero_grad();
+          return loss;
+        },
+        model, opt, {.parallel_mode = std::make_shared<FullyShardMode>(env.group_ptr)});
+    auto [x, y] = Batch(0, env.rank * rows, rows);
+    absl::StatusOr<Tensor> loss = compiled({x, y});
+    EXPECT_EQ(loss.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_THAT(loss.status().message(), ::testing::HasSubstr("(op clip_grad_norm) uses the gradient of 'param."));
+    EXPECT_FALSE(model.parameters()[0].storage_released());  // nothing was sharded
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+}
 
 // A module that applies one weight twice: y = W gelu(W x).
 class Twice : public nn::Module {
