@@ -95,23 +95,26 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
   std::set<SlotId> no_longer_inputs;
   std::vector<Node> shard_inputs;
   std::vector<Sharded> sharded;
+  // add_slot() may move the graph's slots: what is needed of a slot is copied out before adding one.
   auto shard_input = [&](SlotId full_slot) -> absl::StatusOr<SlotId> {
-    const capture::Slot& slot = graph.slot(full_slot);
-    if (!slot.value.defined() || slot.value.dtype() != DType::f32) {
-      return absl::InvalidArgumentError(absl::StrCat("fully_shard mode: expected '", slot.name,
+    const std::string name = graph.slot(full_slot).name;
+    const Tensor full = graph.slot(full_slot).value;
+    if (!full.defined() || full.dtype() != DType::f32) {
+      return absl::InvalidArgumentError(absl::StrCat("fully_shard mode: expected '", name,
                                                      "' to be an f32 input of the step"));
     }
-    const Tensor shard = make_shard(slot.value);
-    const SlotId id = graph.add_slot(absl::StrCat("shard.", slot.name), DType::f32, shard.shape());
+    const Tensor shard = make_shard(full);
+    const SlotId id = graph.add_slot(absl::StrCat("shard.", name), DType::f32, shard.shape());
     graph.mutable_slot(id).value = shard;
     shard_inputs.push_back(Node{.kind = NodeKind::input, .name = graph.slot(id).name, .reads = {}, .writes = {id}});
-    sharded.push_back({slot.value, shard});
+    sharded.push_back({full, shard});
     no_longer_inputs.insert(full_slot);
     return id;
   };
 
   for (const capture::ParamSlots& p : *params) {
-    const capture::Slot& param = graph.slot(p.param);
+    // A copy: slots are added to the graph below, which may move its slots.
+    const capture::Slot param = graph.slot(p.param);
     if (p.weights != p.param) {
       return absl::UnimplementedError(absl::StrCat("fully_shard mode: '", param.name,
                                                    "' has fp32 master weights (bf16/f16); not sharded yet"));
