@@ -5,7 +5,8 @@
 //   build/bench/train_bench [--benchmark_filter=sddp]
 //
 // The same cases with ranks as processes over TCP: train_bench_tcp.cc. Both run one rank's part of a case
-// through train_step.h (RunTrainRank), so they measure the same step.
+// through train_step.h (RunTrainRank), so they measure the same step. The compiled_* cases of this binary (a
+// step replayed by capture::compile against the eager strategy it replaces) are in train_bench_compiled.cc.
 //
 // Each benchmark iteration runs one DDP step (sddp::DistributedDataParallel: bucketed all_reduce during
 // backward, then a full AdamW step on every rank) and one step of the strategy under test (same model, same
