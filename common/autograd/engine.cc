@@ -176,9 +176,9 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
         throw AutogradError(absl::StrCat("backward: expected a one-element root when no gradient is given, found ",
                                          r.describe(), "; pass the gradient w.r.t. the root"));
       }
+      trace::OpTraceScope scope;
       g = detail::new_activation(r.shape(), r.dtype());
       g.fill_(1.0);
-      trace::OpTraceScope scope;
       if (scope.tracing()) trace_fill(scope, "ones", g, 1.0);
     } else if (g.shape() != r.shape()) {
       throw AutogradError(absl::StrCat("backward: expected a gradient of shape ", shape_str(r.shape()),

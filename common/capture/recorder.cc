@@ -118,6 +118,13 @@ void Recorder::on_placeholder(const std::string& name, const std::vector<Tensor>
   ops_.push_back(std::move(node));
 }
 
+void Recorder::on_untraced_write(const Tensor& t, std::string_view how) {
+  const void* storage = t.storage().get();
+  bool known = input_names_.count(storage) > 0;
+  for (auto it = slots_.begin(); !known && it != slots_.end(); ++it) known = std::get<0>(it->first) == storage;
+  if (known) on_unsupported(absl::StrCat(std::string(how), " on ", t.describe(), ", a tensor of the step, outside any op"));
+}
+
 void Recorder::on_unsupported(std::string_view what) {
   if (error_.empty()) error_ = absl::StrCat("capture: cannot replay ", std::string(what), std::string(kOverrideHint));
 }

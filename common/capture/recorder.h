@@ -18,8 +18,10 @@
 // Replay runs the recorded kernels and nothing else, so anything the tracer does not see would be silently
 // dropped. The recorder therefore fails the capture (finish() returns FailedPrecondition naming the op and the
 // tensor) when an op reads a tensor that no recorded op wrote and that is not a declared input (it was computed
-// by an untraced kernel, a Tensor method like fill_ or to(), or outside the step), and when something reports
-// itself unsupported (a hook, batch_norm's in-place statistics). The message names the Override that would fix
+// by an untraced kernel, a Tensor method like fill_ or to(), or outside the step), when the step writes a tensor it
+// already read or wrote with Tensor::fill_ / copy_ outside any recorded op (replay would not repeat the write), and
+// when something reports itself unsupported (a hook, batch_norm's in-place statistics). Writes through raw data
+// pointers are not seen: a step must not write its tensors that way. The message names the Override that would fix
 // it: keep that part out of tracing and splice its graph in at a placeholder (graph_passes.h).
 //
 // Thread-safety: one recorder per rank thread.
@@ -64,6 +66,7 @@ class Recorder final : public trace::Tracer {
              const void* backward_node) override;
   void on_unsupported(std::string_view what) override;
   bool dry_run() const override { return dry_run_; }
+  void on_untraced_write(const Tensor& t, std::string_view how) override;
   void on_placeholder(const std::string& name, const std::vector<Tensor>& reads,
                       const std::vector<Tensor>& writes) override;
 

@@ -190,8 +190,8 @@ void Optimizer::zero_grad(bool set_to_none) {
       if (set_to_none) {
         p.set_grad(Tensor());
       } else {
-        g.zero_();
         trace::OpTraceScope scope;  // a captured step replays the zeroing (accumulation reads it)
+        g.zero_();
         scope.record("zero_grad", {}, {g}, [shape = g.shape(), dtype = g.dtype()](trace::KernelArgs& a) {
           if (!a.writes[0].defined()) {
             a.writes[0] = Tensor::empty(shape, TensorOptions{}.with_dtype(dtype).with_category(MemoryCategory::gradient));

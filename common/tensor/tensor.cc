@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/tensor/rank_context.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit {
 
@@ -238,6 +239,7 @@ std::vector<float> Tensor::to_vector() const {
 
 const Tensor& Tensor::fill_(double value) const {
   SK_CHECK(device().is_cpu()) << "fill_ on " << describe();
+  if (trace::Tracer* t = trace::active_tracer()) t->on_untraced_write(*this, "Tensor::fill_");
   const std::int64_t n = numel();
   switch (dtype()) {
     case DType::f32: {
@@ -270,6 +272,7 @@ const Tensor& Tensor::fill_(double value) const {
 
 const Tensor& Tensor::copy_(const Tensor& src) const {
   SK_CHECK_EQ(numel(), src.numel()) << "copy_ from " << src.describe() << " into " << describe();
+  if (trace::Tracer* t = trace::active_tracer()) t->on_untraced_write(*this, "Tensor::copy_");
   SK_CHECK(device().is_cpu() && src.device().is_cpu()) << "copy_ from " << src.describe() << " into " << describe();
   convert_elements(src.raw_data(), src.dtype(), raw_data(), dtype(), numel());
   return *this;

@@ -54,6 +54,9 @@ class Tracer {
                               const std::vector<Tensor>& writes) {
     on_unsupported("placeholder " + name + " (this tracer has no placeholders)");
   }
+  // `t` is about to be written in place outside any recorded op (Tensor::fill_ / copy_ called by the step itself):
+  // harmless for a tensor the step just made, a value replay would lose for one the step already read or wrote.
+  virtual void on_untraced_write(const Tensor& t, std::string_view how) {}
   // True when ops with lasting effects (an optimizer's update of parameters and state) should be recorded without
   // being applied: the capture then changes nothing, and the step is done by replaying the graph.
   virtual bool dry_run() const { return false; }

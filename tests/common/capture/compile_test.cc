@@ -234,6 +234,27 @@ TEST(Compile, ClippingInTheStepIsReplayed) {
   EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
 }
 
+TEST(Compile, AnInPlaceWriteOutsideAnyOpFailsTheCaptureNamingIt) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  Trainer t;
+  CompiledStep compiled = compile(
+      [&](const std::vector<Tensor>& batch) {
+        Tensor loss = t.model.loss(batch[0], batch[1]);
+        autograd::backward(loss);
+        t.model.parameters()[0].grad().fill_(0.0);  // a write replay would not repeat
+        EXPECT_TRUE(t.opt->step().ok());
+        t.opt->zero_grad();
+        return loss;
+      },
+      t.model, *t.opt);
+  absl::StatusOr<Tensor> got = compiled(Batch(0));
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(got.status().message(), HasSubstr("Tensor::fill_ on f32["));
+  EXPECT_THAT(got.status().message(), HasSubstr("a tensor of the step, outside any op"));
+}
+
 TEST(Compile, AHookFailsTheCaptureNamingIt) {
   RankContext ctx;
   RankContextScope scope(ctx);
