@@ -76,61 +76,55 @@ PassReport dedup_collectives(StepGraph& graph) {
   return report;
 }
 
-PassReport coalesce_collectives(StepGraph& graph, std::int64_t max_bytes) {
-  const std::vector<Node> nodes = graph.nodes();
-  auto candidate = [&](const Node& n) {
-    return n.kind == NodeKind::collective && n.collective == comm::CollectiveKind::all_reduce &&
-           graph.slot(n.reads[0]).nbytes() <= max_bytes;
-  };
-  // Groups of node indices, each to be merged at its last member.
-  std::vector<std::vector<std::size_t>> groups;
-  std::vector<std::size_t> open;
-  auto close = [&] {
-    if (open.size() >= 2) groups.push_back(open);
-    open.clear();
-  };
-  for (std::size_t j = 0; j < nodes.size(); ++j) {
-    const Node& n = nodes[j];
-    std::int64_t open_bytes = 0;
-    for (std::size_t m : open) open_bytes += graph.slot(nodes[m].reads[0]).nbytes();
-    const bool joins = candidate(n) && !open.empty() && same_call(nodes[open.front()], n) &&
-                       graph.slot(n.reads[0]).dtype == graph.slot(nodes[open.front()].reads[0]).dtype &&
-                       open_bytes + graph.slot(n.reads[0]).nbytes() <= max_bytes;
-    if (joins) {
-      open.push_back(j);
-      continue;
-    }
-    // A node that reads or writes an open member's slot ends the group before it (that member cannot be
-    // delayed past it).
-    bool blocks = false;
-    for (std::size_t m : open) blocks = blocks || touches(n, nodes[m].reads[0], true, true);
-    if (blocks || candidate(n)) close();
-    if (candidate(n)) open.push_back(j);
+namespace {
+
+bool coalescable(comm::CollectiveKind k) {
+  return k == comm::CollectiveKind::all_reduce || k == comm::CollectiveKind::all_gather ||
+         k == comm::CollectiveKind::reduce_scatter;
+}
+
+// A call's size for the bound: its larger slot (the unsharded size of an all_gather / reduce_scatter).
+std::int64_t call_bytes(const StepGraph& g, const Node& n) {
+  return std::max(g.slot(n.reads[0]).nbytes(), g.slot(n.writes[0]).nbytes());
+}
+
+bool touches_call(const Node& n, const Node& call) {
+  return touches(n, call.reads[0], true, true) || touches(n, call.writes[0], true, true);
+}
+
+Tensor fresh_or_reallocated(Tensor t, const Shape& shape, DType dtype) {
+  if (!t.defined()) return Tensor::empty(shape, TensorOptions{}.with_dtype(dtype));
+  if (t.storage_released()) t.reallocate_storage();  // the bytes a reshard gave back (what saved views point at)
+  return t;
+}
+
+// pack, the merged call and unpack for `members` (Note [coalesce collectives]). Rows of member m: the length of its
+// smaller slot; with R = the sum over members and k = the group's ratio, an all_gather's packed input is
+// [m1 | m2 | ...] (R) and its output k blocks of R, block r holding every member's rows from rank r; a
+// reduce_scatter's packed input is those k blocks, its output R.
+std::vector<Node> merged(StepGraph& graph, const std::vector<Node>& members, int g) {
+  const Node& like = members.front();
+  const DType dtype = graph.slot(like.reads[0]).dtype;
+  std::vector<SlotId> ins, outs;
+  std::vector<std::int64_t> rows;
+  std::vector<std::pair<Shape, DType>> out_types;
+  std::int64_t total = 0;
+  for (const Node& m : members) {
+    ins.push_back(m.reads[0]);
+    outs.push_back(m.writes[0]);
+    rows.push_back(std::min(graph.slot(m.reads[0]).numel(), graph.slot(m.writes[0]).numel()));
+    out_types.emplace_back(graph.slot(m.writes[0]).shape, graph.slot(m.writes[0]).dtype);
+    total += rows.back();
   }
-  close();
-  PassReport report;
-  if (groups.empty()) return report;
-  std::map<std::size_t, std::vector<Node>> replace_at;  // last member -> pack, collective, unpack
-  std::set<std::size_t> dropped;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    const std::vector<std::size_t>& members = groups[g];
-    std::vector<SlotId> slots;
-    std::int64_t numel = 0;
-    for (std::size_t m : members) {
-      slots.push_back(nodes[m].reads[0]);
-      numel += graph.slot(nodes[m].reads[0]).numel();
-      dropped.insert(m);
-    }
-    const Node& like = nodes[members.front()];
-    const SlotId packed = graph.add_slot(absl::StrCat("coalesced.", g), graph.slot(slots[0]).dtype, {numel});
+  if (like.collective == comm::CollectiveKind::all_reduce) {
+    const SlotId packed = graph.add_slot(absl::StrCat("coalesced.", g), dtype, {total});
     Node collective = like;
     collective.reads = {packed};
     collective.writes = {packed};
-    const DType dtype = graph.slot(slots[0]).dtype;
-    replace_at[members.back()] = {
-        Node{.kind = NodeKind::op, .name = "pack", .reads = slots, .writes = {packed},
-             .kernel = [numel, dtype](trace::KernelArgs& a) {
-               Tensor flat = Tensor::empty({numel}, TensorOptions{}.with_dtype(dtype));
+    return {
+        Node{.kind = NodeKind::op, .name = "pack", .reads = ins, .writes = {packed},
+             .kernel = [total, dtype](trace::KernelArgs& a) {
+               Tensor flat = Tensor::empty({total}, TensorOptions{}.with_dtype(dtype));
                std::int64_t at = 0;
                for (const Tensor& t : a.reads) {
                  flat.view(at, t.shape()).copy_(t);
@@ -139,7 +133,7 @@ PassReport coalesce_collectives(StepGraph& graph, std::int64_t max_bytes) {
                a.writes[0] = std::move(flat);
              }},
         collective,
-        Node{.kind = NodeKind::op, .name = "unpack", .reads = {packed}, .writes = slots,
+        Node{.kind = NodeKind::op, .name = "unpack", .reads = {packed}, .writes = outs,
              .kernel = [](trace::KernelArgs& a) {
                std::int64_t at = 0;
                for (Tensor& t : a.writes) {
@@ -148,15 +142,110 @@ PassReport coalesce_collectives(StepGraph& graph, std::int64_t max_bytes) {
                }
              }},
     };
+  }
+  const bool gather = like.collective == comm::CollectiveKind::all_gather;
+  const std::int64_t k = std::max(graph.slot(like.reads[0]).numel(), graph.slot(like.writes[0]).numel()) / rows[0];
+  const SlotId packed_in = graph.add_slot(absl::StrCat("coalesced.", g), dtype, {gather ? total : k * total});
+  const SlotId packed_out = graph.add_slot(absl::StrCat("coalesced.", g, ".out"), dtype, {gather ? k * total : total});
+  Node collective = like;
+  collective.reads = {packed_in};
+  collective.writes = {packed_out};
+  // Copies member m's rows of block r of the blocked side to or from block r of the packed tensor.
+  auto copy_blocks = [rows, total](const Tensor& packed, const std::vector<Tensor>& members, std::int64_t nblocks,
+                                   bool into_packed) {
+    for (std::int64_t r = 0; r < nblocks; ++r) {
+      std::int64_t at = r * total;
+      for (std::size_t m = 0; m < members.size(); ++m) {
+        const Tensor member = members[m].view(r * rows[m], {rows[m]});
+        const Tensor block = packed.view(at, {rows[m]});
+        (into_packed ? block : member).copy_(into_packed ? member : block);
+        at += rows[m];
+      }
+    }
+  };
+  const std::int64_t in_blocks = gather ? 1 : k, out_blocks = gather ? k : 1;
+  const std::int64_t in_numel = gather ? total : k * total;
+  return {
+      Node{.kind = NodeKind::op, .name = "pack", .reads = ins, .writes = {packed_in},
+           .kernel = [copy_blocks, in_numel, in_blocks, dtype](trace::KernelArgs& a) {
+             Tensor flat = Tensor::empty({in_numel}, TensorOptions{}.with_dtype(dtype));
+             copy_blocks(flat, a.reads, in_blocks, /*into_packed=*/true);
+             a.writes[0] = std::move(flat);
+           }},
+      collective,
+      Node{.kind = NodeKind::op, .name = "unpack", .reads = {packed_out}, .writes = outs,
+           .kernel = [copy_blocks, out_blocks, out_types](trace::KernelArgs& a) {
+             for (std::size_t m = 0; m < a.writes.size(); ++m) {
+               a.writes[m] = fresh_or_reallocated(a.writes[m], out_types[m].first, out_types[m].second);
+             }
+             copy_blocks(a.reads[0], a.writes, out_blocks, /*into_packed=*/false);
+           }},
+  };
+}
+
+}  // namespace
+
+PassReport coalesce_collectives(StepGraph& graph, std::int64_t max_bytes) {
+  const std::vector<Node> nodes = graph.nodes();
+  auto candidate = [&](const Node& n) {
+    return n.kind == NodeKind::collective && coalescable(n.collective) && call_bytes(graph, n) <= max_bytes;
+  };
+  // Groups of node indices, each to be merged at its last member.
+  std::vector<std::vector<std::size_t>> groups;
+  std::vector<std::size_t> open;
+  std::int64_t open_bytes = 0;
+  auto close = [&] {
+    if (open.size() >= 2) groups.push_back(open);
+    open.clear();
+    open_bytes = 0;
+  };
+  for (std::size_t j = 0; j < nodes.size(); ++j) {
+    const Node& n = nodes[j];
+    // A node that reads or writes an open member's slots ends the group before it (that member cannot be delayed
+    // past it); so does a call that shares a slot with one.
+    bool blocks = false;
+    for (std::size_t m : open) blocks = blocks || touches_call(n, nodes[m]);
+    const bool joins = !blocks && candidate(n) && !open.empty() && same_call(nodes[open.front()], n) &&
+                       graph.slot(n.reads[0]).dtype == graph.slot(nodes[open.front()].reads[0]).dtype &&
+                       open_bytes + call_bytes(graph, n) <= max_bytes;
+    if (!joins && (blocks || candidate(n))) close();
+    if (candidate(n)) {
+      open.push_back(j);
+      open_bytes += call_bytes(graph, n);
+    }
+  }
+  close();
+  PassReport report;
+  if (groups.empty()) return report;
+  // Each group: pack and the call where its last member was; then unpack: right after an all_reduce, and for an
+  // all_gather / reduce_scatter before the first later node that touches a member's output, or at the end.
+  std::map<std::size_t, std::vector<Node>> at;  // insert before node index (nodes.size(): at the end)
+  std::set<std::size_t> dropped;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    std::vector<Node> members;
+    for (std::size_t m : groups[g]) {
+      members.push_back(nodes[m]);
+      dropped.insert(m);
+    }
+    std::vector<Node> three = merged(graph, members, static_cast<int>(g));
+    const std::size_t last = groups[g].back();
+    std::size_t use = last + 1;
+    const bool in_place = members.front().collective == comm::CollectiveKind::all_reduce;
+    for (; !in_place && use < nodes.size(); ++use) {
+      const Node& n = nodes[use];
+      if (std::any_of(members.begin(), members.end(),
+                      [&](const Node& m) { return touches(n, m.writes[0], true, true); })) {
+        break;
+      }
+    }
+    at[last + 1].insert(at[last + 1].end(), three.begin(), three.begin() + 2);
+    at[use].push_back(three[2]);
     report.removed += static_cast<int>(members.size()) - 1;
   }
   std::vector<Node> out;
-  for (std::size_t j = 0; j < nodes.size(); ++j) {
-    if (auto it = replace_at.find(j); it != replace_at.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
-    } else if (!dropped.count(j)) {
-      out.push_back(nodes[j]);
-    }
+  for (std::size_t j = 0; j <= nodes.size(); ++j) {
+    if (auto it = at.find(j); it != at.end()) out.insert(out.end(), it->second.begin(), it->second.end());
+    if (j < nodes.size() && !dropped.count(j)) out.push_back(nodes[j]);
   }
   graph.mutable_nodes() = std::move(out);
   return report;

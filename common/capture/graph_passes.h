@@ -13,13 +13,22 @@
 // (it would reduce the already reduced values): they are left alone.
 //
 // Note [coalesce collectives]
-// Consecutive collectives of one kind, op, group and dtype whose slots add up to at most `max_bytes` (a DDP bucket's
-// cap) are merged into one call on a packed slot when none of them reads a slot written by another between the first and the last of them, and
-// no node between them reads or writes their slots. The merged group becomes: op "pack" (reads the inputs,
-// writes the packed slot), the one collective, op "unpack" (reads the packed result, writes the outputs), placed
-// where the last of them was; pack and unpack carry kernels (copies), so an executable graph stays executable.
-// Only in-place all_reduce is coalesced (what DDP buckets are); the count of calls drops from k to 1, the bytes stay
-// the same.
+// Collectives of one kind, op, group and dtype whose sizes (the larger of a call's two slots: the unsharded size of
+// an all_gather / reduce_scatter) add up to at most `max_bytes` (a DDP bucket's cap, an FSDP unit) are merged into
+// one call on packed slots when they follow each other in the node list with nothing in between that reads or
+// writes their slots (other nodes may lie between them; a call of another kind or size ends the group). The
+// merged group becomes: op "pack" (reads the inputs, writes the packed input), the one collective, op "unpack"
+// (reads the packed result, writes the outputs). Pack and the call go where the last member was, so earlier members
+// are delayed to it; unpack, which is where the replay waits for the call, goes right after an all_reduce (its packed
+// copy of the gradients is freed at once), and for all_gather / reduce_scatter before the first later node that
+// reads or writes one of the members' outputs (or at the end), so the call overlaps the nodes in between (Note
+// [collective overlap] in executor.h). Packing follows the ranks' blocks: for members with r_1, r_2, ... rows per
+// rank, an all_gather's packed input is [m_1 | m_2 | ...] and its result is one such block per rank, which unpack
+// copies to rows [r * r_m, (r + 1) * r_m) of each member's output (as FSDP's flat unit); a reduce_scatter's packed
+// input is those per-rank blocks, cut from each member's input. The values are the members' own, bit for bit (the
+// reductions are elementwise, in rank order). Pack and unpack carry kernels (copies; unpack reallocates an output
+// whose storage a reshard released), so an executable graph stays executable. The count of calls drops from k to 1,
+// the bytes stay the same.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +47,8 @@ struct PassReport {
 // Note [dedup collectives]. Slots of removed outputs stay in the graph (unused).
 PassReport dedup_collectives(StepGraph& graph);
 
-// Note [coalesce collectives]. Adds one packed slot per merged group, named "coalesced.<i>".
+// Note [coalesce collectives]. Adds one packed slot per merged all_reduce group, named "coalesced.<i>", and two per
+// merged all_gather / reduce_scatter group, "coalesced.<i>" (input) and "coalesced.<i>.out".
 PassReport coalesce_collectives(StepGraph& graph, std::int64_t max_bytes);
 
 // Replaces the placeholder node named `name` with `replacement` (nodes over the graph's slots; they may use new

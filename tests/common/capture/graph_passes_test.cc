@@ -1,7 +1,9 @@
 // StepGraph and its passes on hand-built graphs (issue 16: "a test per pass asserting the resulting node list"):
-// dedup of a unit's all_gather used twice, coalescing of small all_reduces, expansion of an Override's
+// dedup of a unit's all_gather used twice, coalescing of small all_reduces, all_gathers and reduce_scatters (with
+// their packing, run on values), expansion of an Override's
 // placeholder, and the graph's checks and printing.
 #include <string>
+#include <vector>
 
 #include "common/capture/graph_passes.h"
 #include "common/capture/step_graph.h"
@@ -160,6 +162,131 @@ TEST(CoalesceCollectives, AReaderInBetweenKeepsTheCallsApart) {
   g.add_collective(CollectiveKind::all_reduce, {g1}, {g1}, "world");
   g.add_op("norm", {g1}, {n});  // needs g1 reduced: g1's call cannot move past it
   g.add_collective(CollectiveKind::all_reduce, {g2}, {g2}, "world");
+  const std::string before = g.to_text();
+  EXPECT_EQ(coalesce_collectives(g, 64).removed, 0);
+  EXPECT_EQ(g.to_text(), before);
+}
+
+// Runs an executable node's kernel on `reads`, with `writes` as the current values of its outputs.
+std::vector<Tensor> RunKernel(const Node& n, std::vector<Tensor> reads, std::vector<Tensor> writes) {
+  trace::KernelArgs args{reads, writes, nullptr};
+  n.kernel(args);
+  return writes;
+}
+
+Tensor Floats(std::vector<float> v) { return Tensor::from_vector(v, {static_cast<std::int64_t>(v.size())}); }
+
+// Two parameters' shards on a group of 2 (rows 2 and 3 per rank), gathered back to back, used later.
+struct TwoGathers {
+  StepGraph g;
+  SlotId a, b, full_a, full_b, x, h;
+  TwoGathers() {
+    a = g.add_slot("a.shard", DType::f32, {2});
+    b = g.add_slot("b.shard", DType::f32, {3});
+    full_a = g.add_slot("a.full", DType::f32, {4});
+    full_b = g.add_slot("b.full", DType::f32, {6});
+    x = g.add_slot("x", DType::f32, {4});
+    h = g.add_slot("h", DType::f32, {4});
+    g.add_input(a, "param");
+    g.add_input(b, "param");
+    g.add_input(x, "batch");
+    g.add_collective(CollectiveKind::all_gather, {a}, {full_a}, "world");
+    g.add_collective(CollectiveKind::all_gather, {b}, {full_b}, "world");
+    g.add_op("layernorm", {x}, {h});  // touches neither gather: runs while they are in flight
+    g.add_op("linear", {h, full_a, full_b}, {h});
+    g.add_output(h, "loss");
+  }
+};
+
+TEST(CoalesceCollectives, GathersIssuedTogetherBecomeOneCallUnpackedBeforeTheirFirstUse) {
+  TwoGathers u;
+  EXPECT_EQ(coalesce_collectives(u.g, /*max_bytes=*/64).removed, 1);
+  EXPECT_EQ(u.g.to_text(),
+            "0: input param writes [a.shard]\n"
+            "1: input param writes [b.shard]\n"
+            "2: input batch writes [x]\n"
+            "3: op pack reads [a.shard, b.shard] writes [coalesced.0]\n"
+            "4: collective all_gather @world reads [coalesced.0] writes [coalesced.0.out]\n"
+            "5: op layernorm reads [x] writes [h]\n"
+            "6: op unpack reads [coalesced.0.out] writes [a.full, b.full]\n"
+            "7: op linear reads [h, a.full, b.full] writes [h]\n"
+            "8: output loss reads [h]\n");
+  EXPECT_TRUE(u.g.validate().ok());
+  EXPECT_EQ(u.g.slot(u.g.nodes()[4].writes[0]).numel(), 10);
+}
+
+TEST(CoalesceCollectives, AGatherOverTheBoundStaysAlone) {
+  TwoGathers u;
+  const std::string before = u.g.to_text();
+  // a.full is 16 bytes, b.full 24: together over 32.
+  EXPECT_EQ(coalesce_collectives(u.g, /*max_bytes=*/32).removed, 0);
+  EXPECT_EQ(u.g.to_text(), before);
+}
+
+TEST(CoalesceCollectives, PackedGathersPutEveryRanksRowsWhereTheMembersOwnGathersWould) {
+  TwoGathers u;
+  ASSERT_EQ(coalesce_collectives(u.g, 64).removed, 1);
+  const Node& pack = u.g.nodes()[3];
+  const Node& unpack = u.g.nodes()[6];
+  // Rank r's shards: a = {10r, 10r + 1}, b = {10r + 5, 10r + 6, 10r + 7}; the all_gather concatenates the ranks'
+  // packed inputs.
+  std::vector<float> gathered;
+  for (float r : {0.f, 1.f}) {
+    const Tensor packed = RunKernel(pack, {Floats({10 * r, 10 * r + 1}), Floats({10 * r + 5, 10 * r + 6, 10 * r + 7})},
+                                    {Tensor()})[0];
+    for (float v : packed.to_vector()) gathered.push_back(v);
+  }
+  EXPECT_EQ(gathered, (std::vector<float>{0, 1, 5, 6, 7, 10, 11, 15, 16, 17}));
+  // An output whose storage a reshard released is filled again in place (saved views of it see the values).
+  const Tensor released_a = Tensor::zeros({4});
+  released_a.release_storage();
+  const std::vector<Tensor> out = RunKernel(unpack, {Floats(gathered)}, {released_a, Tensor()});
+  EXPECT_EQ(out[0].storage(), released_a.storage());
+  EXPECT_EQ(out[0].to_vector(), (std::vector<float>{0, 1, 10, 11}));
+  EXPECT_EQ(out[1].to_vector(), (std::vector<float>{5, 6, 7, 15, 16, 17}));
+}
+
+TEST(CoalesceCollectives, ReduceScattersBecomeOneCallOnTheRanksBlocks) {
+  StepGraph g;
+  const SlotId g1 = g.add_slot("g1", DType::f32, {4}), g2 = g.add_slot("g2", DType::f32, {2}),
+               s1 = g.add_slot("g1.shard", DType::f32, {2}), s2 = g.add_slot("g2.shard", DType::f32, {1}),
+               h = g.add_slot("h", DType::f32, {4});
+  g.add_input(g1, "grad");
+  g.add_input(g2, "grad");
+  g.add_input(h, "act");
+  g.add_collective(CollectiveKind::reduce_scatter, {g1}, {s1}, "world", comm::ReduceOp::avg());
+  g.add_op("backward_mm", {h}, {h});
+  g.add_collective(CollectiveKind::reduce_scatter, {g2}, {s2}, "world", comm::ReduceOp::avg());
+  g.add_op("backward_mm", {h}, {h});
+  g.add_op("adamw_update", {s1, s2}, {h});
+  EXPECT_EQ(coalesce_collectives(g, /*max_bytes=*/64).removed, 1);
+  EXPECT_EQ(g.to_text(),
+            "0: input grad writes [g1]\n"
+            "1: input grad writes [g2]\n"
+            "2: input act writes [h]\n"
+            "3: op backward_mm reads [h] writes [h]\n"
+            "4: op pack reads [g1, g2] writes [coalesced.0]\n"
+            "5: collective reduce_scatter(avg) @world reads [coalesced.0] writes [coalesced.0.out]\n"
+            "6: op backward_mm reads [h] writes [h]\n"
+            "7: op unpack reads [coalesced.0.out] writes [g1.shard, g2.shard]\n"
+            "8: op adamw_update reads [g1.shard, g2.shard] writes [h]\n");
+  EXPECT_TRUE(g.validate().ok());
+  // Block r of the packed input holds rank r's rows of every member; the result, this rank's rows of each.
+  const Tensor packed = RunKernel(g.nodes()[4], {Floats({1, 2, 3, 4}), Floats({8, 9})}, {Tensor()})[0];
+  EXPECT_EQ(packed.to_vector(), (std::vector<float>{1, 2, 8, 3, 4, 9}));
+  const std::vector<Tensor> out = RunKernel(g.nodes()[7], {Floats({1, 2, 8})}, {Tensor(), Tensor()});
+  EXPECT_EQ(out[0].to_vector(), (std::vector<float>{1, 2}));
+  EXPECT_EQ(out[1].to_vector(), (std::vector<float>{8}));
+}
+
+TEST(CoalesceCollectives, CallsOfAnotherKindOrOpEndAGroup) {
+  StepGraph g;
+  const SlotId g1 = g.add_slot("g1", DType::f32, {4}), g2 = g.add_slot("g2", DType::f32, {4}),
+               s1 = g.add_slot("s1", DType::f32, {2}), s2 = g.add_slot("s2", DType::f32, {2});
+  g.add_input(g1, "grad");
+  g.add_input(g2, "grad");
+  g.add_collective(CollectiveKind::reduce_scatter, {g1}, {s1}, "world", comm::ReduceOp::avg());
+  g.add_collective(CollectiveKind::reduce_scatter, {g2}, {s2}, "world", comm::ReduceOp::sum());
   const std::string before = g.to_text();
   EXPECT_EQ(coalesce_collectives(g, 64).removed, 0);
   EXPECT_EQ(g.to_text(), before);
