@@ -35,9 +35,45 @@ Node op(std::string name, std::vector<SlotId> reads, std::vector<SlotId> writes,
               .kernel = std::move(kernel)};
 }
 
+// A parameter's first gather in a pass: placed by place_buckets.
+struct FirstGather {
+  std::size_t first_use;  // the node that first uses the parameter in the pass
+  std::int64_t bytes;     // the gathered (unsharded) bytes
+  Node gather;
+};
+
+// Note [gather buckets]. Buckets of consecutive first gathers (by first use) of at most options.bucket_bytes; bucket
+// b's gathers go before the first use of bucket b - prefetch's first parameter: into `now` when that is bucket b's
+// own first use (before the node's other inserted nodes), else into `ahead` (after them: the node's own gathers are
+// waited first, then the next bucket's are issued).
+void place_buckets(std::vector<FirstGather>& gathers, const FullyShardModeOptions& options,
+                   std::map<std::size_t, std::vector<Node>>& now, std::map<std::size_t, std::vector<Node>>& ahead) {
+  std::stable_sort(gathers.begin(), gathers.end(),
+                   [](const FirstGather& a, const FirstGather& b) { return a.first_use < b.first_use; });
+  std::vector<std::size_t> anchors;  // per bucket: its first parameter's first use
+  std::vector<std::vector<const Node*>> buckets;
+  std::int64_t bytes = 0;
+  for (const FirstGather& g : gathers) {
+    if (buckets.empty() || bytes + g.bytes > options.bucket_bytes) {
+      anchors.push_back(g.first_use);
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().push_back(&g.gather);
+    bytes += g.bytes;
+  }
+  const std::size_t prefetch = static_cast<std::size_t>(std::max(options.prefetch, 0));
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    const std::size_t at = anchors[b >= prefetch ? b - prefetch : 0];
+    std::vector<Node>& list = at == anchors[b] ? now[at] : ahead[at];
+    for (const Node* n : buckets[b]) list.push_back(*n);
+  }
+}
+
 }  // namespace
 
-FullyShardMode::FullyShardMode(std::shared_ptr<comm::ProcessGroup> group) : group_(std::move(group)) {}
+FullyShardMode::FullyShardMode(std::shared_ptr<comm::ProcessGroup> group, FullyShardModeOptions options)
+    : group_(std::move(group)), options_(options) {}
 
 std::map<std::string, std::shared_ptr<comm::ProcessGroup>> FullyShardMode::groups() const {
   return {{group_->name(), group_}};
@@ -91,6 +127,7 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
   }
 
   std::map<std::size_t, std::vector<Node>> before, after;
+  std::vector<FirstGather> forward_gathers, backward_gathers;
   std::map<std::size_t, Node> replaced;
   std::set<SlotId> no_longer_inputs;
   std::vector<Node> shard_inputs;
@@ -159,8 +196,14 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
       if (uses) (j < first_backward ? forward_uses : backward_uses).push_back(j);
     }
     auto reshard = op("reshard", {gathered}, {gathered}, [](trace::KernelArgs& a) { a.writes[0].release_storage(); });
-    for (std::size_t j : forward_uses) {
-      before[j].push_back(collective(comm::CollectiveKind::all_gather, *shard, gathered, group));
+    const Node gather = collective(comm::CollectiveKind::all_gather, *shard, gathered, group);
+    const std::int64_t gathered_bytes = rows * world * static_cast<std::int64_t>(sizeof(float));
+    // The first use's gather is placed with the parameter's bucket (Note [gather buckets]); every later use gets
+    // its own, which dedup removes (nothing writes the shard or the gathered slot in between).
+    for (std::size_t k = 0; k < forward_uses.size(); ++k) {
+      const std::size_t j = forward_uses[k];
+      if (k == 0) forward_gathers.push_back({j, gathered_bytes, gather});
+      if (k > 0) before[j].push_back(gather);
       before[j].push_back(op("unshard_view", {gathered}, {p.param}, [shape](trace::KernelArgs& a) {
         Tensor v = Tensor::over(a.reads[0].storage(), a.reads[0].offset_bytes(), shape, DType::f32);
         v.set_requires_grad(true);
@@ -168,8 +211,10 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
       }));
     }
     if (!forward_uses.empty()) after[forward_uses.back()].push_back(reshard);
-    for (std::size_t j : backward_uses) {
-      before[j].push_back(collective(comm::CollectiveKind::all_gather, *shard, gathered, group));
+    for (std::size_t k = 0; k < backward_uses.size(); ++k) {
+      const std::size_t j = backward_uses[k];
+      if (k == 0) backward_gathers.push_back({j, gathered_bytes, gather});
+      if (k > 0) before[j].push_back(gather);
       // Backward nodes read the parameter through what they saved: this makes the replay wait for the gather.
       before[j].push_back(op("await_unshard", {gathered}, {}, [](trace::KernelArgs&) {}));
     }
@@ -202,11 +247,18 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
     replaced[static_cast<std::size_t>(p.update)] = std::move(update);
   }
 
+  // Note [gather buckets]: each pass's first gathers, by bucket, at their bucket's place.
+  std::map<std::size_t, std::vector<Node>> gather_now, gather_ahead;
+  for (std::vector<FirstGather>* pass : {&forward_gathers, &backward_gathers}) {
+    place_buckets(*pass, options_, gather_now, gather_ahead);
+  }
   std::vector<Node> out = std::move(shard_inputs);
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = nodes[i];
     if (n.kind == NodeKind::input && no_longer_inputs.count(n.writes[0])) continue;
-    if (auto it = before.find(i); it != before.end()) out.insert(out.end(), it->second.begin(), it->second.end());
+    for (const auto* list : {&gather_now, &before, &gather_ahead}) {
+      if (auto it = list->find(i); it != list->end()) out.insert(out.end(), it->second.begin(), it->second.end());
+    }
     auto r = replaced.find(i);
     out.push_back(r != replaced.end() ? r->second : n);
     if (auto it = after.find(i); it != after.end()) out.insert(out.end(), it->second.begin(), it->second.end());

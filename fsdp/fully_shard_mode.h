@@ -1,7 +1,9 @@
 // The fully-shard parallel mode of compile() (issue 16 item 3): ZeRO-3 / FSDP2 as a graph rewrite.
 //
-//   auto mode = std::make_shared<fsdp::FullyShardMode>(pg);
-//   capture::CompiledStep step = capture::compile(step_fn, model, *opt, {.parallel_mode = mode});
+//   auto mode = std::make_shared<fsdp::FullyShardMode>(pg, fsdp::FullyShardModeOptions{.bucket_bytes = 4 << 20,
+//                                                                                        .prefetch = 1});
+//   capture::CompiledStep step = capture::compile(step_fn, model, *opt, {.parallel_mode = mode,
+//                                                                        .coalesce_bytes = 128 << 10});
 //   ...
 //   mode->unshard_parameters();   // the module's parameters (and the optimizer's state) whole again, e.g. to save
 //
@@ -40,9 +42,28 @@
 
 namespace shardkit::fsdp {
 
+// Note [gather buckets]
+// Each pass (forward, backward) gathers a parameter once, before its first use; those first gathers are placed in
+// buckets, as FSDP gathers a unit's parameters together: in the order of first use, consecutive parameters up to
+// bucket_bytes of unsharded bytes (a parameter larger than that is a bucket of its own) are gathered back to back,
+// before the first use of the bucket's first parameter, so compile's coalesce pass (Note [coalesce collectives]) can
+// merge them: with CompileOptions::coalesce_bytes >= bucket_bytes each bucket is one all_gather (at the price of a
+// pack and an unpack copy of the whole bucket); with a smaller bound (train_bench: 128 KiB in 4 MiB buckets) the
+// bucket's small parameters become one call and the large ones stay calls of their own, gathered straight into
+// their buffers. With prefetch = p, bucket b is
+// gathered p buckets ahead, at the first use of bucket b - p (FSDP's implicit prefetch with p = 1): the gather then
+// runs during bucket b - p's compute, and the replay waits for it only at bucket b's first use (Note [collective
+// overlap] in executor.h); the price is p more buckets of gathered parameters alive at once. The reduce-scatters
+// stay one per gradient, right after it is done; coalescing merges those that follow each other into one call
+// (waited at the update). Bucketing and prefetch move calls, never change values: the result is bitwise the same.
+struct FullyShardModeOptions {
+  std::int64_t bucket_bytes = 0;  // 0: a bucket per parameter
+  int prefetch = 0;               // buckets gathered ahead
+};
+
 class FullyShardMode final : public capture::ParallelMode {
  public:
-  explicit FullyShardMode(std::shared_ptr<comm::ProcessGroup> group);
+  explicit FullyShardMode(std::shared_ptr<comm::ProcessGroup> group, FullyShardModeOptions options = {});
 
   std::string name() const override { return "fully_shard"; }
   std::map<std::string, std::shared_ptr<comm::ProcessGroup>> groups() const override;
@@ -64,6 +85,7 @@ class FullyShardMode final : public capture::ParallelMode {
   Tensor make_shard(const Tensor& full) const;
 
   std::shared_ptr<comm::ProcessGroup> group_;
+  FullyShardModeOptions options_;
   std::vector<Sharded> sharded_;  // parameters and optimizer state, while the graph holds their shards
 };
 

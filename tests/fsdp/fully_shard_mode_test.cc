@@ -4,7 +4,9 @@
 #include "fsdp/fully_shard_mode.h"
 
 #include <cmath>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -36,9 +38,19 @@ capture::StepFn TrainStep(nn::GPT& model, optim::Optimizer& opt) {
   };
 }
 
+// What a compiled run is built with, and what it reports.
+struct CompiledRun {
+  FullyShardModeOptions mode = {};
+  std::int64_t coalesce_bytes = 0;
+  std::map<std::string, int> counts = {};  // rank 0's replayed graph, by node kind
+  comm::CommCounters last_step = {};       // rank 0's calls in the last step
+};
+
 // `steps` steps of GPT `config` on `world` ranks, eager fsdp (test_util::ShardGpt) and compiled with the fully-shard
 // mode, from the same initial values: every loss and every parameter afterwards equal bit for bit.
-void ExpectCompiledEqualsEager(int world, const nn::GPTConfig& config, int steps) {
+void ExpectCompiledEqualsEager(int world, const nn::GPTConfig& config, int steps, CompiledRun* run = nullptr) {
+  CompiledRun plain;
+  CompiledRun& c = run != nullptr ? *run : plain;
   std::vector<std::vector<std::vector<float>>> eager_values(world), compiled_values(world);
   std::vector<std::vector<float>> eager_losses(world), compiled_losses(world);
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
@@ -60,14 +72,18 @@ void ExpectCompiledEqualsEager(int world, const nn::GPTConfig& config, int steps
     }
     nn::GPT model(config, 1);
     optim::AdamW opt(model.parameters());
-    auto mode = std::make_shared<FullyShardMode>(env.group_ptr);
-    capture::CompiledStep compiled = capture::compile(TrainStep(model, opt), model, opt, {.parallel_mode = mode});
+    auto mode = std::make_shared<FullyShardMode>(env.group_ptr, c.mode);
+    capture::CompiledStep compiled = capture::compile(TrainStep(model, opt), model, opt,
+                                                      {.parallel_mode = mode, .coalesce_bytes = c.coalesce_bytes});
     for (int step = 0; step < steps; ++step) {
       auto [x, y] = Batch(step, env.rank * rows, rows);
+      const comm::CommCounters before = env.group_ptr->counters();
       absl::StatusOr<Tensor> loss = compiled({x, y});
       if (!loss.ok()) return loss.status();
       compiled_losses[r].push_back(static_cast<float>(loss->item()));
+      if (env.rank == 0) c.last_step = env.group_ptr->counters().since(before);
     }
+    if (env.rank == 0) c.counts = compiled.graph()->counts();
     // Each rank holds its rows of every parameter and of AdamW's two moments: 3 * ceil(numel / N) floats each.
     std::int64_t want = 0;
     for (const Tensor& p : model.parameters()) want += 3 * 4 * ((p.numel() + world - 1) / world);
@@ -91,6 +107,24 @@ void ExpectCompiledEqualsEager(int world, const nn::GPTConfig& config, int steps
 class FullyShardModeTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(FullyShardModeTest, TwentyStepsEqualEagerFsdp) { ExpectCompiledEqualsEager(GetParam(), TinyConfig(), 20); }
+
+// Gathers in buckets of 4 KiB (a few per block of GPT-tiny's 44 KB), one bucket ahead; calls coalesced up to the
+// bucket (every bucket one call) or up to 256 bytes (the small parameters merged, the others alone): the same values
+// bit for bit, with fewer calls than one per parameter.
+TEST_P(FullyShardModeTest, TwentyStepsInPrefetchedBucketsEqualEagerFsdp) {
+  nn::GPT model(TinyConfig(), 1);
+  const auto params = static_cast<std::int64_t>(model.parameters().size());
+  for (std::int64_t coalesce : {4 << 10, 256}) {
+    SCOPED_TRACE(absl::StrCat("coalesce_bytes ", coalesce));
+    CompiledRun run{.mode = {.bucket_bytes = 4 << 10, .prefetch = 1}, .coalesce_bytes = coalesce};
+    ExpectCompiledEqualsEager(GetParam(), TinyConfig(), 20, &run);
+    // Two passes, each with fewer gathers than parameters.
+    EXPECT_LT(run.last_step.of(comm::CollectiveKind::all_gather).calls, 2 * params);
+    EXPECT_GE(run.last_step.of(comm::CollectiveKind::all_gather).calls, 2);
+    EXPECT_LT(run.last_step.of(comm::CollectiveKind::reduce_scatter).calls, params);
+    EXPECT_EQ(run.counts.at("collective/all_gather"), run.last_step.of(comm::CollectiveKind::all_gather).calls);
+  }
+}
 
 // Twelve blocks: a graph with as many slots as gpt-10m's (1,000+ nodes), so expand() adds slots past the slot list's
 // capacity and the list moves while the mode shards it (expand() read a moved slot and aborted on gpt-10m).
