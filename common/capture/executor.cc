@@ -3,10 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
-#include <set>
 #include <utility>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/grad_mode.h"
@@ -111,6 +109,34 @@ Executor::Executor(StepGraph graph, ExecutorOptions options, MemoryPlan plan)
     env_[static_cast<std::size_t>(n.writes[0])] = std::move(graph_.mutable_slot(n.writes[0]).value);
     graph_.mutable_slot(n.writes[0]).value = Tensor();
   }
+  // What every replay needs of the plan, per node (Note [replay schedule]).
+  keep_ = persistent_slots(graph_);
+  names_a_node_.assign(graph_.slots().size(), false);
+  for (const Node& n : graph_.nodes()) {
+    if (n.grad_fn_slot >= 0) names_a_node_[static_cast<std::size_t>(n.grad_fn_slot)] = true;
+  }
+  schedule_.resize(graph_.nodes().size());
+  for (std::size_t i = 0; i < graph_.nodes().size(); ++i) {
+    const Node& n = graph_.nodes()[i];
+    NodeSchedule& sched = schedule_[i];
+    for (SlotId s : plan_.last_use[i]) {
+      if (!keep_[static_cast<std::size_t>(s)]) sched.forget_after.push_back(s);
+    }
+    if (n.kind == NodeKind::op) {
+      for (SlotId s : n.reads) {
+        const bool last = std::find(sched.forget_after.begin(), sched.forget_after.end(), s) != sched.forget_after.end();
+        const bool written = std::find(n.writes.begin(), n.writes.end(), s) != n.writes.end();
+        const bool listed = std::find(sched.hand_over.begin(), sched.hand_over.end(), s) != sched.hand_over.end();
+        if (last && !written && !listed) sched.hand_over.push_back(s);
+      }
+    }
+    if (n.kind == NodeKind::collective) {
+      const auto it = options_.groups.find(n.group);
+      sched.group = it != options_.groups.end() ? it->second.get() : nullptr;
+    }
+  }
+  pending_.resize(graph_.slots().size());
+  backward_nodes_.resize(graph_.slots().size());
 }
 
 absl::StatusOr<Executor> Executor::create(StepGraph graph, ExecutorOptions options) {
@@ -147,97 +173,107 @@ void Executor::set_input(SlotId slot, Tensor t) {
   env_[static_cast<std::size_t>(slot)] = std::move(t);
 }
 
+void Executor::record_failure(const absl::Status& s, int node) {
+  if (s.ok() || !failed_.ok()) return;
+  failed_ = absl::Status(s.code(), absl::StrCat("replay: node ", node, " (", describe(graph_.nodes()[node]), "): ",
+                                                s.message()));
+}
+
+void Executor::finish(SlotId slot, const absl::Status& s) {
+  Pending& p = pending_[static_cast<std::size_t>(slot)];
+  const int node = p.node;
+  // One collective may cover two slots (its input and output): finishing one finishes both.
+  for (SlotId t : {slot, p.other}) {
+    if (t < 0) continue;
+    Pending& q = pending_[static_cast<std::size_t>(t)];
+    if (q.work != p.work && t != slot) continue;
+    if (q.forget) env_[static_cast<std::size_t>(t)] = Tensor();
+    q = Pending{};
+  }
+  std::erase_if(active_, [&](SlotId t) { return !pending_[static_cast<std::size_t>(t)].work; });
+  record_failure(s, node);
+}
+
+void Executor::wait(SlotId slot) {
+  Pending& p = pending_[static_cast<std::size_t>(slot)];
+  if (!p.work) return;
+  const Clock::time_point t0 = Clock::now();
+  const std::shared_ptr<comm::Work> work = p.work;
+  const absl::Status s = work->wait(p.timeout);
+  finish(slot, s);
+  stats_.collective_seconds += seconds_since(t0);
+}
+
+void Executor::reap_completed() {
+  // Values whose last use has passed are forgotten as soon as their collective is done, not when a later node
+  // happens to wait for it: their bytes go back during the step (Note [memory plan]).
+  for (std::size_t k = 0; k < active_.size();) {
+    const SlotId s = active_[k];
+    const Pending& p = pending_[static_cast<std::size_t>(s)];
+    if (p.forget && p.work->is_completed()) {
+      finish(s, p.work->wait(absl::ZeroDuration()));
+      k = 0;  // finish() edited the list
+    } else {
+      ++k;
+    }
+  }
+}
+
 absl::Status Executor::run() {
   const Clock::time_point start = Clock::now();
   stats_ = {};
-  const std::vector<bool> keep = persistent_slots(graph_);
-  std::vector<bool> names_a_node(graph_.slots().size(), false);
-  for (const Node& n : graph_.nodes()) {
-    if (n.grad_fn_slot >= 0) names_a_node[static_cast<std::size_t>(n.grad_fn_slot)] = true;
-  }
-  // This replay's autograd nodes, by the slot whose value the forward op that created them wrote.
-  absl::flat_hash_map<SlotId, std::shared_ptr<autograd::Node>> backward_nodes;
-  struct Pending {
-    std::shared_ptr<comm::Work> work;
-    absl::Duration timeout;
-    int node;
-    bool forget = false;  // the collective was the slot's last use: forget the value once it completed
-  };
-  absl::flat_hash_map<SlotId, Pending> pending;
-  absl::Status failed;
-  auto wait = [&](SlotId slot) {
-    auto it = pending.find(slot);
-    if (it == pending.end()) return;
-    const Clock::time_point t0 = Clock::now();
-    Pending p = it->second;
-    absl::Status s = p.work->wait(p.timeout);
-    // One collective may cover two slots (input and output): waiting once is enough.
-    for (auto j = pending.begin(); j != pending.end();) {
-      if (j->second.work == p.work) {
-        if (j->second.forget) env_[static_cast<std::size_t>(j->first)] = Tensor();
-        pending.erase(j++);
-      } else {
-        ++j;
-      }
-    }
-    if (!s.ok() && failed.ok()) {
-      failed = absl::Status(s.code(), absl::StrCat("replay: node ", p.node, " (", describe(graph_.nodes()[p.node]),
-                                                   "): ", s.message()));
-    }
-    stats_.collective_seconds += seconds_since(t0);
-  };
-  auto value_of = [this](SlotId s) -> Tensor& { return env_[static_cast<std::size_t>(s)]; };
-  for (std::size_t i = 0; i < graph_.nodes().size() && failed.ok(); ++i) {
+  failed_ = absl::OkStatus();
+  for (std::size_t i = 0; i < graph_.nodes().size() && failed_.ok(); ++i) {
     const Node& n = graph_.nodes()[i];
-    for (const auto* list : {&n.reads, &n.writes}) {
-      for (SlotId s : *list) wait(s);
-    }
-    if (!failed.ok()) break;
-    const std::vector<SlotId>& last = plan_.last_use[i];
-    auto forget = [&](SlotId s) { return !keep[static_cast<std::size_t>(s)] && std::find(last.begin(), last.end(), s) != last.end(); };
-    if (n.kind == NodeKind::op) {
-      std::vector<Tensor> reads, writes;
-      reads.reserve(n.reads.size());
-      for (SlotId s : n.reads) reads.push_back(value_of(s));
-      for (SlotId s : n.writes) writes.push_back(value_of(s));
-      // Values this node uses last are handed over: the kernel holds the only reference (Note [memory plan]).
-      for (SlotId s : n.reads) {
-        if (forget(s) && std::find(n.writes.begin(), n.writes.end(), s) == n.writes.end()) value_of(s) = Tensor();
+    const NodeSchedule& sched = schedule_[i];
+    if (!active_.empty()) {
+      for (const auto* list : {&n.reads, &n.writes}) {
+        for (SlotId s : *list) wait(s);
       }
+      if (!failed_.ok()) break;
+    }
+    if (n.kind == NodeKind::op) {
+      reads_.clear();
+      writes_.clear();
+      for (SlotId s : n.reads) reads_.push_back(env_[static_cast<std::size_t>(s)]);
+      for (SlotId s : n.writes) writes_.push_back(env_[static_cast<std::size_t>(s)]);
+      // Values this node uses last are handed over: the kernel holds the only reference (Note [memory plan]).
+      for (SlotId s : sched.hand_over) env_[static_cast<std::size_t>(s)] = Tensor();
       std::shared_ptr<autograd::Node> node;
       if (n.grad_fn_slot >= 0) {
-        auto it = backward_nodes.find(n.grad_fn_slot);
-        if (it == backward_nodes.end()) {
-          failed = absl::InternalError(absl::StrCat("replay: node ", i, " (", describe(n),
-                                                    "): the replayed forward made no backward node for it"));
+        node = std::move(backward_nodes_[static_cast<std::size_t>(n.grad_fn_slot)]);
+        if (!node) {
+          failed_ = absl::InternalError(absl::StrCat("replay: node ", i, " (", describe(n),
+                                                     "): the replayed forward made no backward node for it"));
           break;
         }
-        node = std::move(it->second);
-        backward_nodes.erase(it);
       }
       const Clock::time_point t0 = Clock::now();
       try {
         autograd::GradModeGuard grad_mode(n.grad_enabled);
-        trace::KernelArgs args{reads, writes, node.get()};
+        trace::KernelArgs args{reads_, writes_, node.get()};
         n.kernel(args);
       } catch (const std::exception& e) {
-        failed = absl::InternalError(absl::StrCat("replay: node ", i, " (", describe(n), "): ", e.what()));
+        failed_ = absl::InternalError(absl::StrCat("replay: node ", i, " (", describe(n), "): ", e.what()));
         break;
       }
       stats_.kernel_seconds += seconds_since(t0);
+      reads_.clear();  // the kernel's references to what it read go now, not at the next op
       for (std::size_t w = 0; w < n.writes.size(); ++w) {
         const SlotId s = n.writes[w];
-        value_of(s) = std::move(writes[w]);
-        if (!names_a_node[static_cast<std::size_t>(s)]) continue;
-        if (const autograd::AutogradMeta* meta = autograd::meta_of(value_of(s)); meta != nullptr && meta->grad_fn) {
-          backward_nodes[s] = meta->grad_fn;
+        Tensor& value = env_[static_cast<std::size_t>(s)];
+        value = std::move(writes_[w]);
+        if (!names_a_node_[static_cast<std::size_t>(s)]) continue;
+        if (const autograd::AutogradMeta* meta = autograd::meta_of(value); meta != nullptr && meta->grad_fn) {
+          backward_nodes_[static_cast<std::size_t>(s)] = meta->grad_fn;
         }
       }
+      writes_.clear();
     } else if (n.kind == NodeKind::collective) {
       const Clock::time_point t0 = Clock::now();
-      const std::shared_ptr<comm::ProcessGroup>& pg = options_.groups.at(n.group);
-      const Tensor& in = value_of(n.reads[0]);
-      Tensor& out = value_of(n.writes[0]);
+      comm::ProcessGroup& pg = *sched.group;
+      const Tensor& in = env_[static_cast<std::size_t>(n.reads[0])];
+      Tensor& out = env_[static_cast<std::size_t>(n.writes[0])];
       if (!out.defined()) {
         const Slot& slot = graph_.slot(n.writes[0]);
         out = Tensor::empty(slot.shape, TensorOptions{}.with_dtype(slot.dtype));
@@ -246,39 +282,45 @@ absl::Status Executor::run() {
       }
       std::shared_ptr<comm::Work> work;
       switch (n.collective) {
-        case comm::CollectiveKind::all_reduce: work = pg->all_reduce(out, {.op = n.reduce_op}); break;
-        case comm::CollectiveKind::all_gather: work = pg->all_gather(out, in); break;
-        case comm::CollectiveKind::reduce_scatter: work = pg->reduce_scatter(out, in, {.op = n.reduce_op}); break;
+        case comm::CollectiveKind::all_reduce: work = pg.all_reduce(out, {.op = n.reduce_op}); break;
+        case comm::CollectiveKind::all_gather: work = pg.all_gather(out, in); break;
+        case comm::CollectiveKind::reduce_scatter: work = pg.reduce_scatter(out, in, {.op = n.reduce_op}); break;
         default:
-          failed = absl::InvalidArgumentError(absl::StrCat("replay: node ", i, " (", describe(n),
-                                                           "): this collective kind is not replayed"));
+          failed_ = absl::InvalidArgumentError(absl::StrCat("replay: node ", i, " (", describe(n),
+                                                            "): this collective kind is not replayed"));
           break;
       }
       if (!work) break;
-      for (SlotId s : {n.reads[0], n.writes[0]}) {
-        pending[s] = Pending{work, pg->default_timeout(), static_cast<int>(i)};
+      const SlotId in_slot = n.reads[0], out_slot = n.writes[0];
+      for (SlotId s : {in_slot, out_slot}) {
+        pending_[static_cast<std::size_t>(s)] =
+            Pending{work, pg.default_timeout(), static_cast<int>(i), s == in_slot ? out_slot : in_slot};
+        if (std::find(active_.begin(), active_.end(), s) == active_.end()) active_.push_back(s);
       }
       stats_.collective_seconds += seconds_since(t0);
     }
-    for (SlotId s : last) {
-      if (keep[static_cast<std::size_t>(s)]) continue;
-      if (auto it = pending.find(s); it != pending.end()) {
-        it->second.forget = true;  // Note [collective overlap]: not waited here
+    for (SlotId s : sched.forget_after) {
+      Pending& p = pending_[static_cast<std::size_t>(s)];
+      if (p.work) {
+        p.forget = true;  // Note [collective overlap]: not waited here
       } else {
-        value_of(s) = Tensor();
+        env_[static_cast<std::size_t>(s)] = Tensor();
       }
     }
+    if (!active_.empty()) reap_completed();
   }
-  while (!pending.empty()) wait(pending.begin()->first);
+  while (!active_.empty()) wait(active_.front());
   // A failed step leaves no value of its own behind (and no backward node holding saved activations).
-  if (!failed.ok()) {
-    const std::vector<bool> keep_now = persistent_slots(graph_);
+  reads_.clear();
+  writes_.clear();
+  for (std::shared_ptr<autograd::Node>& node : backward_nodes_) node.reset();
+  if (!failed_.ok()) {
     for (std::size_t s = 0; s < env_.size(); ++s) {
-      if (!keep_now[s]) env_[s] = Tensor();
+      if (!keep_[s]) env_[s] = Tensor();
     }
   }
   stats_.total_seconds = seconds_since(start);
-  return failed;
+  return failed_;
 }
 
 }  // namespace shardkit::capture

@@ -14,6 +14,14 @@
 // gap is fragmentation). Values are allocated through the rank's ledger, not carved out of one arena: the
 // placement is computed and reported, not used yet.
 //
+// Note [replay schedule]
+// A replay does no search and no lookup per node: create() computes, per node, the values it uses last (its slots
+// in the plan's last-use list that are not the step's inputs or outputs), which of those an op hands to its kernel,
+// and a collective's group; the collectives in flight, the backward nodes and the kernels' argument lists live in
+// vectors by slot that the executor keeps between replays. After every node, a collective that is done and whose
+// slot's last use has passed gives its value back at once (is_completed(), never blocking), so a gradient sent by a
+// reduce_scatter is freed when the call is done rather than when a later node waits for the call's result.
+//
 // Note [collective overlap]
 // A collective is issued when the executor reaches its node (a parallel mode places it right after the node that
 // produces its input), and waited only before the first later node that touches one of its buffers, or at the end
@@ -28,9 +36,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/capture/step_graph.h"
 #include "common/comm/process_group.h"
+
+namespace shardkit::autograd {
+class Node;
+}  // namespace shardkit::autograd
 
 namespace shardkit::capture {
 
@@ -81,11 +95,39 @@ class Executor {
  private:
   Executor(StepGraph graph, ExecutorOptions options, MemoryPlan plan);
 
+  // Note [replay schedule]: what run() needs per node, computed once by the constructor from the graph and the plan.
+  struct NodeSchedule {
+    std::vector<SlotId> forget_after;  // the node's last uses, persistent slots excluded
+    std::vector<SlotId> hand_over;     // of those, the op's reads it does not write: handed to its kernel
+    comm::ProcessGroup* group = nullptr;  // a collective's group
+  };
+  // A collective in flight, per slot it covers (its input and its output).
+  struct Pending {
+    std::shared_ptr<comm::Work> work;
+    absl::Duration timeout;
+    int node = -1;
+    SlotId other = -1;    // the call's other slot
+    bool forget = false;  // the call was the slot's last use: forget the value once it completed
+  };
+  void wait(SlotId slot);
+  void finish(SlotId slot, const absl::Status& s);
+  void reap_completed();
+  void record_failure(const absl::Status& s, int node);
+
   StepGraph graph_;
   ExecutorOptions options_;
   MemoryPlan plan_;
   ReplayStats stats_;
   std::vector<Tensor> env_;  // one value per slot
+  std::vector<bool> keep_;   // persistent slots
+  std::vector<bool> names_a_node_;  // slots some backward node is found through (Node::grad_fn_slot)
+  std::vector<NodeSchedule> schedule_;
+  // Per replay (members so that a replay allocates nothing of its own for them).
+  std::vector<Pending> pending_;                                  // by slot
+  std::vector<SlotId> active_;                                    // slots with a collective in flight
+  std::vector<std::shared_ptr<autograd::Node>> backward_nodes_;  // by the slot its forward op wrote
+  std::vector<Tensor> reads_, writes_;                            // the op's arguments
+  absl::Status failed_;
 };
 
 }  // namespace shardkit::capture
