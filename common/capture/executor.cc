@@ -124,7 +124,8 @@ Executor::Executor(StepGraph graph, ExecutorOptions options, MemoryPlan plan)
     }
     if (n.kind == NodeKind::op) {
       for (SlotId s : n.reads) {
-        const bool last = std::find(sched.forget_after.begin(), sched.forget_after.end(), s) != sched.forget_after.end();
+        const std::vector<SlotId>& after = sched.forget_after;
+        const bool last = std::find(after.begin(), after.end(), s) != after.end();
         const bool written = std::find(n.writes.begin(), n.writes.end(), s) != n.writes.end();
         const bool listed = std::find(sched.hand_over.begin(), sched.hand_over.end(), s) != sched.hand_over.end();
         if (last && !written && !listed) sched.hand_over.push_back(s);

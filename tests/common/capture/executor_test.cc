@@ -23,6 +23,12 @@ Node Op(std::string name, std::vector<SlotId> reads, std::vector<SlotId> writes,
 // A gradient made by the step, reduce-scattered (its last use), then a small all_reduce issued after it and waited;
 // a probe after that sees whether the gradient's bytes are still held. The in-process group runs a rank's calls in
 // issue order, so the all_reduce being done means the reduce_scatter is done too.
+Tensor Copy(const Tensor& t) {
+  Tensor c = Tensor::empty(t.shape());
+  c.copy_(t);
+  return c;
+}
+
 TEST(Executor, AValueWhoseLastUseWasADoneCollectiveIsFreedBeforeTheStepEnds) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     const std::string group = env.group_ptr->name();
@@ -42,14 +48,12 @@ TEST(Executor, AValueWhoseLastUseWasADoneCollectiveIsFreedBeforeTheStepEnds) {
     g.add_collective(CollectiveKind::reduce_scatter, {grad}, {shard}, group, comm::ReduceOp::avg());
     g.add(Op("make_small", {x}, {small}, [](trace::KernelArgs& a) { a.writes[0] = Tensor::full({8}, 2.0); }));
     g.add_collective(CollectiveKind::all_reduce, {small}, {small}, group);
-    g.add(Op("use_small", {small}, {copy}, [](trace::KernelArgs& a) { a.writes[0] = Tensor::empty(a.reads[0].shape());
-      a.writes[0].copy_(a.reads[0]); }));
+    g.add(Op("use_small", {small}, {copy}, [](trace::KernelArgs& a) { a.writes[0] = Copy(a.reads[0]); }));
     g.add(Op("probe", {x}, {probe}, [grad_storage, &grad_alive_at_probe](trace::KernelArgs& a) {
       grad_alive_at_probe = !grad_storage->expired();
       a.writes[0] = Tensor::zeros({1});
     }));
-    g.add(Op("use_shard", {shard, probe}, {out}, [](trace::KernelArgs& a) { a.writes[0] = Tensor::empty(a.reads[0].shape());
-      a.writes[0].copy_(a.reads[0]); }));
+    g.add(Op("use_shard", {shard, probe}, {out}, [](trace::KernelArgs& a) { a.writes[0] = Copy(a.reads[0]); }));
     g.add_output(out, "out");
     g.add_output(copy, "copy");
     absl::StatusOr<Executor> ex = Executor::create(std::move(g), {.groups = {{group, env.group_ptr}}});
