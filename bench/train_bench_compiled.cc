@@ -7,8 +7,8 @@
 //   compiled_single/n1         no parallel mode, against the eager step (forward, backward, AdamW)
 //   compiled_replicate/nN      sddp::ReplicateMode (buckets of 4 MiB, as train_bench's DDP), against eager
 //                              sddp::DistributedDataParallel with the same buckets
-//   compiled_fully_shard/nN    fsdp::FullyShardMode (gather buckets of 4 MiB, one ahead; calls up to 128 KiB
-//                              coalesced), against eager fsdp::fully_shard as train_bench's fsdp case builds it
+//   compiled_fully_shard/nN    fsdp::FullyShardMode (gather buckets of 4 MiB, one ahead, the last forward bucket
+//                              kept for backward; calls up to 128 KiB coalesced), against eager fsdp::fully_shard as train_bench's fsdp case builds it
 //                              (every MLP, every TransformerBlock, the root; implicit prefetch)
 // Each round runs one eager step, a barrier, one compiled step, a barrier (rank 0's wall time of each is the
 // world's). Two unmeasured warm-up rounds: the first captures (the step runs eagerly once, dry), the second is
@@ -143,7 +143,8 @@ absl::Status RunCompiledRank(comm::RankEnv& env, Mode mode, benchmark::State* st
           env.group_ptr, sddp::ReplicateModeOptions{.bucket_cap_bytes = kBucketNumel * 4});
     } else if (mode == Mode::fully_shard) {
       parallel = std::make_shared<fsdp::FullyShardMode>(
-          env.group_ptr, fsdp::FullyShardModeOptions{.bucket_bytes = kGatherBucketBytes, .prefetch = 1});
+          env.group_ptr, fsdp::FullyShardModeOptions{
+              .bucket_bytes = kGatherBucketBytes, .prefetch = 1, .reshard_last_bucket_after_forward = false});
     }
     nn::GPT& m = *compiled_model;
     optim::Optimizer& opt = *compiled_opt;

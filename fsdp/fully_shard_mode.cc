@@ -46,21 +46,39 @@ struct FirstGather {
 // b's gathers go before the first use of bucket b - prefetch's first parameter: into `now` when that is bucket b's
 // own first use (before the node's other inserted nodes), else into `ahead` (after them: the node's own gathers are
 // waited first, then the next bucket's are issued).
-void place_buckets(std::vector<FirstGather>& gathers, const FullyShardModeOptions& options,
-                   std::map<std::size_t, std::vector<Node>>& now, std::map<std::size_t, std::vector<Node>>& ahead) {
+// Sorts `gathers` by first use and cuts them into buckets of at most `bucket_bytes`: returns each one's first member.
+std::vector<std::size_t> bucket_starts(std::vector<FirstGather>& gathers, std::int64_t bucket_bytes) {
   std::stable_sort(gathers.begin(), gathers.end(),
                    [](const FirstGather& a, const FirstGather& b) { return a.first_use < b.first_use; });
-  std::vector<std::size_t> anchors;  // per bucket: its first parameter's first use
-  std::vector<std::vector<const Node*>> buckets;
+  std::vector<std::size_t> starts;
   std::int64_t bytes = 0;
-  for (const FirstGather& g : gathers) {
-    if (buckets.empty() || bytes + g.bytes > options.bucket_bytes) {
-      anchors.push_back(g.first_use);
-      buckets.emplace_back();
+  for (std::size_t k = 0; k < gathers.size(); ++k) {
+    if (starts.empty() || bytes + gathers[k].bytes > bucket_bytes) {
+      starts.push_back(k);
       bytes = 0;
     }
-    buckets.back().push_back(&g.gather);
-    bytes += g.bytes;
+    bytes += gathers[k].bytes;
+  }
+  return starts;
+}
+
+// The first use of each bucket's first parameter.
+std::vector<std::size_t> bucket_anchors(std::vector<FirstGather> gathers, std::int64_t bucket_bytes) {
+  std::vector<std::size_t> anchors;
+  for (std::size_t k : bucket_starts(gathers, bucket_bytes)) anchors.push_back(gathers[k].first_use);
+  return anchors;
+}
+
+void place_buckets(std::vector<FirstGather>& gathers, const FullyShardModeOptions& options,
+                   std::map<std::size_t, std::vector<Node>>& now, std::map<std::size_t, std::vector<Node>>& ahead) {
+  const std::vector<std::size_t> starts = bucket_starts(gathers, options.bucket_bytes);
+  std::vector<std::size_t> anchors;  // per bucket: its first parameter's first use
+  std::vector<std::vector<const Node*>> buckets;
+  for (std::size_t b = 0; b < starts.size(); ++b) {
+    anchors.push_back(gathers[starts[b]].first_use);
+    buckets.emplace_back();
+    const std::size_t end = b + 1 < starts.size() ? starts[b + 1] : gathers.size();
+    for (std::size_t k = starts[b]; k < end; ++k) buckets.back().push_back(&gathers[k].gather);
   }
   const std::size_t prefetch = static_cast<std::size_t>(std::max(options.prefetch, 0));
   for (std::size_t b = 0; b < buckets.size(); ++b) {
@@ -149,7 +167,42 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
     return id;
   };
 
+  // Where each parameter is used in each pass: the nodes that read it or a view of it the graph names ("view",
+  // "reshape"), and the backward nodes whose forward op did (they saved it).
+  struct Uses {
+    std::vector<std::size_t> forward, backward;
+  };
+  std::vector<Uses> uses;
+  std::vector<FirstGather> first_forward;  // for the forward's bucket anchors
   for (const capture::ParamSlots& p : *params) {
+    std::set<SlotId> alias = {p.param};
+    for (const Node& n : nodes) {
+      if (n.kind == NodeKind::op && (n.name == "view" || n.name == "reshape") && reads_any(n, alias)) {
+        alias.insert(n.writes.begin(), n.writes.end());
+      }
+    }
+    Uses u;
+    for (std::size_t j = 0; j < nodes.size(); ++j) {
+      if (static_cast<int>(j) == p.update) continue;
+      const Node& n = nodes[j];
+      bool used = reads_any(n, alias);
+      if (!used && n.grad_fn_slot >= 0) {
+        auto w = first_writer.find(n.grad_fn_slot);
+        used = w != first_writer.end() && reads_any(nodes[w->second], alias);
+      }
+      if (used) (j < first_backward ? u.forward : u.backward).push_back(j);
+    }
+    if (!u.forward.empty()) {
+      const std::int64_t rows = (graph.slot(p.param).numel() + world - 1) / world;
+      first_forward.push_back({u.forward.front(), rows * world * static_cast<std::int64_t>(sizeof(float)), Node{}});
+    }
+    uses.push_back(std::move(u));
+  }
+  const std::vector<std::size_t> forward_anchors = bucket_anchors(first_forward, options_.bucket_bytes);
+  const std::size_t last_forward_anchor = forward_anchors.empty() ? 0 : forward_anchors.back();
+
+  for (std::size_t param_index = 0; param_index < params->size(); ++param_index) {
+    const capture::ParamSlots& p = (*params)[param_index];
     // A copy: slots are added to the graph below, which may move its slots.
     const capture::Slot param = graph.slot(p.param);
     if (p.weights != p.param) {
@@ -172,29 +225,16 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
     const std::int64_t numel = param.numel();
     const std::int64_t rows = (numel + world - 1) / world;
     const Shape shape = param.shape;
-    // The parameter and the views of it the graph names (their backward nodes hold the same bytes).
-    std::set<SlotId> alias = {p.param};
-    for (const Node& n : nodes) {
-      if (n.kind == NodeKind::op && (n.name == "view" || n.name == "reshape") && reads_any(n, alias)) {
-        alias.insert(n.writes.begin(), n.writes.end());
-      }
-    }
     absl::StatusOr<SlotId> shard = shard_input(p.param);
     if (!shard.ok()) return shard.status();
     const SlotId gathered = graph.add_slot(absl::StrCat("gathered.", param.name), DType::f32, {rows * world});
     const SlotId grad_shard = graph.add_slot(absl::StrCat("grad_shard.", param.name), DType::f32, {rows});
 
-    std::vector<std::size_t> forward_uses, backward_uses;
-    for (std::size_t j = 0; j < nodes.size(); ++j) {
-      if (static_cast<int>(j) == p.update) continue;
-      const Node& n = nodes[j];
-      bool uses = reads_any(n, alias);
-      if (!uses && n.grad_fn_slot >= 0) {
-        auto w = first_writer.find(n.grad_fn_slot);
-        uses = w != first_writer.end() && reads_any(nodes[w->second], alias);
-      }
-      if (uses) (j < first_backward ? forward_uses : backward_uses).push_back(j);
-    }
+    const std::vector<std::size_t>& forward_uses = uses[param_index].forward;
+    const std::vector<std::size_t>& backward_uses = uses[param_index].backward;
+    // Note [kept for backward]: no reshard after forward and no gather in backward.
+    const bool kept = !options_.reshard_last_bucket_after_forward && !forward_uses.empty() &&
+                      !backward_uses.empty() && forward_uses.back() >= last_forward_anchor;
     auto reshard = op("reshard", {gathered}, {gathered}, [](trace::KernelArgs& a) { a.writes[0].release_storage(); });
     const Node gather = collective(comm::CollectiveKind::all_gather, *shard, gathered, group);
     const std::int64_t gathered_bytes = rows * world * static_cast<std::int64_t>(sizeof(float));
@@ -210,11 +250,11 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
         a.writes[0] = std::move(v);
       }));
     }
-    if (!forward_uses.empty()) after[forward_uses.back()].push_back(reshard);
+    if (!forward_uses.empty() && !kept) after[forward_uses.back()].push_back(reshard);
     for (std::size_t k = 0; k < backward_uses.size(); ++k) {
       const std::size_t j = backward_uses[k];
-      if (k == 0) backward_gathers.push_back({j, gathered_bytes, gather});
-      if (k > 0) before[j].push_back(gather);
+      if (k == 0 && !kept) backward_gathers.push_back({j, gathered_bytes, gather});
+      if (k > 0 && !kept) before[j].push_back(gather);
       // Backward nodes read the parameter through what they saved: this makes the replay wait for the gather.
       before[j].push_back(op("await_unshard", {gathered}, {}, [](trace::KernelArgs&) {}));
     }

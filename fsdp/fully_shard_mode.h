@@ -56,9 +56,16 @@ namespace shardkit::fsdp {
 // overlap] in executor.h); the price is p more buckets of gathered parameters alive at once. The reduce-scatters
 // stay one per gradient, right after it is done; coalescing merges those that follow each other into one call
 // (waited at the update). Bucketing and prefetch move calls, never change values: the result is bitwise the same.
+//
+// Note [kept for backward]
+// With reshard_last_bucket_after_forward false, the parameters the forward still uses once its last bucket has
+// begun (its own parameters, and any used again at the end, as GPT's tied embedding in the head) keep their
+// gathered values from forward to backward: no reshard after forward and no gather in backward, whose first nodes
+// need them (FSDP2 keeps the root unit so). The price is their unsharded bytes through the turn of the step.
 struct FullyShardModeOptions {
   std::int64_t bucket_bytes = 0;  // 0: a bucket per parameter
   int prefetch = 0;               // buckets gathered ahead
+  bool reshard_last_bucket_after_forward = true;  // Note [kept for backward]
 };
 
 class FullyShardMode final : public capture::ParallelMode {

@@ -109,21 +109,27 @@ class FullyShardModeTest : public ::testing::TestWithParam<int> {};
 TEST_P(FullyShardModeTest, TwentyStepsEqualEagerFsdp) { ExpectCompiledEqualsEager(GetParam(), TinyConfig(), 20); }
 
 // Gathers in buckets of 4 KiB (a few per block of GPT-tiny's 44 KB), one bucket ahead; calls coalesced up to the
-// bucket (every bucket one call) or up to 256 bytes (the small parameters merged, the others alone): the same values
-// bit for bit, with fewer calls than one per parameter.
+// bucket (every bucket one call) or up to 256 bytes (the small parameters merged, the others alone), and with the
+// last forward bucket kept for backward (Note [kept for backward]): the same values bit for bit, with fewer calls
+// than one per parameter, and fewer gathers again when the last bucket is kept.
 TEST_P(FullyShardModeTest, TwentyStepsInPrefetchedBucketsEqualEagerFsdp) {
   nn::GPT model(TinyConfig(), 1);
   const auto params = static_cast<std::int64_t>(model.parameters().size());
-  for (std::int64_t coalesce : {4 << 10, 256}) {
-    SCOPED_TRACE(absl::StrCat("coalesce_bytes ", coalesce));
-    CompiledRun run{.mode = {.bucket_bytes = 4 << 10, .prefetch = 1}, .coalesce_bytes = coalesce};
+  std::vector<std::int64_t> gathers;
+  using Setting = std::pair<std::int64_t, bool>;  // coalesce_bytes, reshard_last_bucket_after_forward
+  for (const auto& [coalesce, reshard_last] : {Setting{4 << 10, true}, Setting{256, true}, Setting{256, false}}) {
+    SCOPED_TRACE(absl::StrCat("coalesce_bytes ", coalesce, ", reshard_last_bucket_after_forward ", reshard_last));
+    CompiledRun run{.mode = {.bucket_bytes = 4 << 10, .prefetch = 1, .reshard_last_bucket_after_forward = reshard_last},
+                    .coalesce_bytes = coalesce};
     ExpectCompiledEqualsEager(GetParam(), TinyConfig(), 20, &run);
     // Two passes, each with fewer gathers than parameters.
     EXPECT_LT(run.last_step.of(comm::CollectiveKind::all_gather).calls, 2 * params);
     EXPECT_GE(run.last_step.of(comm::CollectiveKind::all_gather).calls, 2);
     EXPECT_LT(run.last_step.of(comm::CollectiveKind::reduce_scatter).calls, params);
     EXPECT_EQ(run.counts.at("collective/all_gather"), run.last_step.of(comm::CollectiveKind::all_gather).calls);
+    gathers.push_back(run.last_step.of(comm::CollectiveKind::all_gather).calls);
   }
+  EXPECT_LT(gathers[2], gathers[1]);  // the kept parameters are not gathered in backward
 }
 
 // Twelve blocks: a graph with as many slots as gpt-10m's (1,000+ nodes), so expand() adds slots past the slot list's
