@@ -52,14 +52,16 @@ void UpdateAndRound(const float* w, P* p, std::int64_t n, Loop&& loop) {
 
 // Note [software prefetch]
 // The Adam loop runs in blocks of kBlock elements and, before each block, asks for the lines of w, m, v
-// and the gradient kPrefetchAhead elements further on (prefetch, never a load: it cannot fault and
-// changes no result). Adam's loop has about 60 vector instructions per 16 elements with a sqrt and a
-// divide in their chain, so the out-of-order window covers fewer than 64 elements ahead, and the hardware
-// prefetchers alone kept neither the five streams it reads nor the memory bus busy: on the AVX2-only Zen 3
-// VM, optim_bench AdamW bf16+master ran at 0.81-0.86 of its limit with no prefetch, 0.92-0.96 with it
-// (distances 128-384 elements measured the same within noise; 256 kept). Prefetching the bf16/f16
-// parameter, which is only written, for writing too made it worse (0.86): it is left to the stores. The
-// prefetches stop kPrefetchAhead elements before the end, so no address past the arrays is formed.
+// and the gradient kPrefetchAhead elements further on (prefetcht0: never faults, changes no result).
+// Its body is about 70 instructions per 16 elements with a sqrt and a divide in their chain, so the
+// out-of-order window reaches only about 60 elements ahead, and the hardware prefetchers alone did not
+// keep the memory bus busy. On the AVX2-only Zen 3 VM, optim_bench AdamW bf16+master went from 0.82-0.88
+// of its limit (median 0.84) to 0.93-1.05 (median 0.975): medians of 5 repetitions, 14 runs of each,
+// alternated, load average 1.7-10. AdamW fp32, the same loop, 0.91 -> 1.04 (one run each, load 3-4).
+// In a harness at load 1-3, distances of 128-384 elements measured the same within noise (0.92-0.96;
+// 512 and 768 a little lower): 256 kept. Prefetching the bf16/f16 parameter for writing as well made it
+// worse (0.86): that stream is only written, and left to the stores. The prefetches stop
+// kPrefetchAhead elements before the end, so no address past the arrays is formed.
 constexpr std::int64_t kBlock = 32;
 constexpr std::int64_t kPrefetchAhead = 256;
 
