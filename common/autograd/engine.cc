@@ -210,7 +210,7 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
       if (!e.valid()) continue;
       ++deps[e.node.get()];
       if (seen.insert(e.node.get()).second) stack.push_back(e.node.get());
-      }
+    }
   }
 
   absl::flat_hash_map<Node*, TensorList> buffers;
