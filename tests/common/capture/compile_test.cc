@@ -2,6 +2,7 @@
 // captured, recapture, and the memory plan against the eager ledger.
 #include "common/capture/compile.h"
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,24 @@ struct Trainer {
 std::vector<Tensor> Batch(int step, int rows = gpt_tiny::kBatch) {
   auto [x, y] = gpt_tiny::Batch(step, 0, rows);
   return {x, y};
+}
+
+// Two identical models trained for `steps` steps with the step `make` builds, one eagerly, one compiled: the losses
+// and the final parameters must be equal bit for bit. Returns the replayed graph as text ("" on a failure).
+std::string ReplayEqualsEager(const std::function<StepFn(Trainer&)>& make, int steps) {
+  Trainer eager, c;
+  const StepFn eager_step = make(eager);
+  CompiledStep compiled = compile(make(c), c.model, *c.opt);
+  for (int s = 0; s < steps; ++s) {
+    const std::vector<Tensor> batch = Batch(s);
+    const float want = static_cast<float>(eager_step(batch).item());
+    absl::StatusOr<Tensor> got = compiled(batch);
+    EXPECT_TRUE(got.ok()) << got.status();
+    if (!got.ok()) return "";
+    EXPECT_EQ(static_cast<float>(got->item()), want) << "step " << s;
+  }
+  EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
+  return compiled.graph()->to_text();
 }
 
 TEST(Compile, ReplayEqualsEagerTrainingBitwiseOver20Steps) {
@@ -192,18 +211,7 @@ TEST(Compile, ACustomFunctionIsReplayedWithItsOwnBackward) {
       return loss;
     };
   };
-  Trainer eager, c;
-  const StepFn eager_step = cubed(eager);
-  CompiledStep compiled = compile(cubed(c), c.model, *c.opt);
-  for (int s = 0; s < 5; ++s) {
-    const std::vector<Tensor> batch = Batch(s);
-    const float want = static_cast<float>(eager_step(batch).item());
-    absl::StatusOr<Tensor> got = compiled(batch);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(static_cast<float>(got->item()), want) << "step " << s;
-  }
-  EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
-  EXPECT_THAT(compiled.graph()->to_text(), HasSubstr("op CubeBackward"));
+  EXPECT_THAT(ReplayEqualsEager(cubed, 5), HasSubstr("op CubeBackward"));
 }
 
 // clip_grad_norm scales the gradients in place with plain kernels; it reports itself (Note [tracing clipping]), so
@@ -221,17 +229,7 @@ TEST(Compile, ClippingInTheStepIsReplayed) {
       return loss;
     };
   };
-  Trainer eager, c;
-  const StepFn eager_step = clipped(eager);
-  CompiledStep compiled = compile(clipped(c), c.model, *c.opt);
-  for (int s = 0; s < 5; ++s) {
-    const std::vector<Tensor> batch = Batch(s);
-    const float want = static_cast<float>(eager_step(batch).item());
-    absl::StatusOr<Tensor> got = compiled(batch);
-    ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(static_cast<float>(got->item()), want) << "step " << s;
-  }
-  EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
+  ReplayEqualsEager(clipped, 5);
 }
 
 TEST(Compile, AnInPlaceWriteOutsideAnyOpFailsTheCaptureNamingIt) {
