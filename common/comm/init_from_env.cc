@@ -200,6 +200,14 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
       options.watchdog->interval = std::min(options.watchdog->interval, **window / 4);
     }
   }
+  // The group's settings are checked before the store is touched: a bad SHARDKIT_TRANSPORT is then every rank's
+  // own error, not rank 0's alone with the others reporting the store connection it dropped as it exited.
+  if (options.group.token.empty()) options.group.token = options.store_token;  // the ranks prove the store's token
+  auto resolved = resolve_tcp_group_options(options.group);
+  if (!resolved.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("init_from_env (rank ", env->rank, " of ", env->world_size,
+                                                   "): ", resolved.status().message()));
+  }
   TcpStoreOptions so;
   so.host = env->master_addr;
   so.port = env->master_port;
@@ -213,8 +221,7 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
                                      "): store at ", env->master_addr, ":", env->master_port, ": ",
                                      store.status().message()));
   }
-  TcpProcessGroupOptions go = options.group;
-  if (go.token.empty()) go.token = options.store_token;  // the ranks' connections prove the store's token
+  TcpProcessGroupOptions go = *std::move(resolved);
   if (go.listen_host.empty()) {
     go.listen_host = is_loopback(env->master_addr) ? "127.0.0.1" : route_source_address(env->master_addr, env->master_port);
   }

@@ -35,6 +35,23 @@ TcpProcessGroup::TcpProcessGroup(std::shared_ptr<Store> store, int rank, int siz
       recvs_from_(static_cast<std::size_t>(size), 0),
       impl_(std::make_unique<Impl>()) {}
 
+absl::StatusOr<TcpProcessGroupOptions> resolve_tcp_group_options(TcpProcessGroupOptions options) {
+  if (options.token.empty()) {
+    if (const char* env = std::getenv("SHARDKIT_STORE_TOKEN"); env != nullptr) options.token = env;
+  }
+  if (options.transport.empty()) {
+    if (const char* env = std::getenv("SHARDKIT_TRANSPORT"); env != nullptr) options.transport = env;
+  }
+  if (options.chunk_bytes == 0) return absl::InvalidArgumentError("expected chunk_bytes > 0, found 0");
+  if (options.shm_ring_bytes < 16) {
+    return absl::InvalidArgumentError(absl::StrCat("expected shm_ring_bytes >= 16, found ", options.shm_ring_bytes));
+  }
+  const absl::StatusOr<TransportChoice> choice =
+      parse_transport_choice(options.transport, "the transport (TcpProcessGroupOptions::transport, else SHARDKIT_TRANSPORT)");
+  if (!choice.ok()) return choice.status();
+  return options;
+}
+
 absl::StatusOr<std::shared_ptr<TcpProcessGroup>> TcpProcessGroup::create(std::shared_ptr<Store> store, int rank,
                                                                          int size, TcpProcessGroupOptions options) {
   if (!store) return absl::InvalidArgumentError("TcpProcessGroup: expected a store, found null");
@@ -42,12 +59,12 @@ absl::StatusOr<std::shared_ptr<TcpProcessGroup>> TcpProcessGroup::create(std::sh
     return absl::InvalidArgumentError(
         absl::StrCat("TcpProcessGroup: expected 0 <= rank < size, found rank ", rank, " and size ", size));
   }
-  if (options.token.empty()) {
-    if (const char* env = std::getenv("SHARDKIT_STORE_TOKEN"); env != nullptr) options.token = env;
+  auto resolved = resolve_tcp_group_options(options);
+  if (!resolved.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("TcpProcessGroup '", options.name, "' rank ", rank, " of ", size,
+                                                   ": ", resolved.status().message()));
   }
-  if (options.transport.empty()) {
-    if (const char* env = std::getenv("SHARDKIT_TRANSPORT"); env != nullptr) options.transport = env;
-  }
+  options = *std::move(resolved);
   std::vector<int> global(static_cast<std::size_t>(size));
   for (int i = 0; i < size; ++i) global[static_cast<std::size_t>(i)] = i;
   std::shared_ptr<TcpProcessGroup> pg(new TcpProcessGroup(std::move(store), rank, size, std::move(global), options));
@@ -60,20 +77,8 @@ absl::StatusOr<std::shared_ptr<TcpProcessGroup>> TcpProcessGroup::create(std::sh
 }
 
 absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
-  if (options_.chunk_bytes == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("TcpProcessGroup '", name(), "' rank ", rank(), " of ", size(),
-                                                   ": expected chunk_bytes > 0, found 0"));
-  }
-  const absl::StatusOr<TransportChoice> choice = parse_transport_choice(
-      options_.transport, "the transport (TcpProcessGroupOptions::transport, else SHARDKIT_TRANSPORT)");
-  if (!choice.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TcpProcessGroup '", name(), "' rank ", rank(), " of ", size(), ": ", choice.status().message()));
-  }
-  if (options_.shm_ring_bytes < 16) {
-    return absl::InvalidArgumentError(absl::StrCat("TcpProcessGroup '", name(), "' rank ", rank(), " of ", size(),
-                                                   ": expected shm_ring_bytes >= 16, found ", options_.shm_ring_bytes));
-  }
+  // The options were checked by resolve_tcp_group_options (create(); a subgroup inherits them).
+  const TransportChoice choice = *parse_transport_choice(options_.transport, "the transport");
   impl_->scratch = Tensor::empty({static_cast<std::int64_t>(options_.chunk_bytes / 8 + 1)},
                                  TensorOptions{}.with_dtype(DType::i64).with_category(MemoryCategory::communication_buffer));
   TcpRendezvousOptions ro;
@@ -87,7 +92,7 @@ absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
   keys_ = mesh->keys;
   ShmRendezvousOptions so;
   so.group_name = name();
-  so.choice = *choice;
+  so.choice = choice;
   so.ring_bytes = options_.shm_ring_bytes;
   so.host_id = options_.host_id;
   absl::StatusOr<TransportMesh> pairs = make_pairs(*store_, rank(), size(), std::move(*mesh), so, deadline);

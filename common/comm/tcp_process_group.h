@@ -87,11 +87,11 @@ struct TcpProcessGroupOptions {
   absl::Duration spin = absl::Microseconds(30);
   // The secret every rank-to-rank connection proves at the rendezvous (Note [rank authentication] in
   // tcp_rendezvous.cc; tcp_auth.h says what it protects against): normally the Store's token. Empty:
-  // SHARDKIT_STORE_TOKEN if set (read in create()), else none. Every rank of a group needs the same token.
+  // SHARDKIT_STORE_TOKEN if set (resolve_tcp_group_options), else none. Every rank of a group needs the same token.
   std::string token = {};
   // Transport of each pair of ranks (shm_rendezvous.h): "auto" (shared memory between ranks on one host, TCP
   // between hosts), "tcp" or "shm" (every rank on this host, else InvalidArgument). Empty: SHARDKIT_TRANSPORT
-  // if set (read in create()), else auto.
+  // if set (resolve_tcp_group_options), else auto.
   std::string transport = {};
   // Bytes of each shared-memory ring (one per direction and pair on a host; at least 16). 1 MiB: four 256 KiB
   // chunks in flight (bench/comm_bench_shm.cc). Tests use tiny rings so that bytes and elements wrap around
@@ -100,6 +100,12 @@ struct TcpProcessGroupOptions {
   // Testing seam: this rank's host identity (empty: the real one, shm_rendezvous.h); tests pretend hosts.
   std::string host_id = {};
 };
+
+// The options create() uses: `token` and `transport` filled in from SHARDKIT_STORE_TOKEN / SHARDKIT_TRANSPORT where
+// empty, then checked (chunk_bytes > 0, shm_ring_bytes >= 16, a transport parse_transport_choice knows);
+// InvalidArgument naming the setting otherwise. init_from_env calls it before it touches the store, so a bad
+// setting is reported by every rank as itself, never as a store connection that rank 0 dropped.
+absl::StatusOr<TcpProcessGroupOptions> resolve_tcp_group_options(TcpProcessGroupOptions options);
 
 class TcpProcessGroup final : public ProcessGroup {
  public:

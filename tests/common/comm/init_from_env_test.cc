@@ -55,18 +55,18 @@ TEST(InitRankContextTest, SameStreamOnEveryRankWhenAsked) {
   EXPECT_EQ(draw(ctx.generator), draw(Generator(7)));
 }
 
-// Sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for the test's duration (the tests of this binary do not
+// Sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and SHARDKIT_TRANSPORT, unset at the end) for the test's duration (the tests of this binary do not
 // run concurrently, and nothing else here reads them).
 class ScopedRankVariables {
  public:
-  explicit ScopedRankVariables(std::uint16_t port) {
-    ::setenv("RANK", "0", 1);
-    ::setenv("WORLD_SIZE", "1", 1);
+  explicit ScopedRankVariables(std::uint16_t port, const char* rank = "0", const char* world_size = "1") {
+    ::setenv("RANK", rank, 1);
+    ::setenv("WORLD_SIZE", world_size, 1);
     ::setenv("MASTER_ADDR", "127.0.0.1", 1);
     ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   }
   ~ScopedRankVariables() {
-    for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
+    for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SHARDKIT_TRANSPORT"}) ::unsetenv(name);
   }
 };
 
@@ -99,6 +99,29 @@ TEST(InitFromEnvTest, InstallsTheRankContextOnTheCallingThread) {
       }
     }).join();
   }
+}
+
+// A bad group setting is this rank's own error, found before the store is touched: with no store to reach
+// (rank 1 of 2, nothing listening at MASTER_PORT), it is InvalidArgument naming the setting, not a store
+// connection failure after the connect timeout. (Under shardrun, rank 1 used to report rank 0's store dropping
+// out as rank 0 exited on the bad value, and rank 0 could be stopped before it printed why.)
+TEST(InitFromEnvTest, ABadTransportIsRefusedBeforeTheStoreIsTouched) {
+  std::uint16_t port = 0;
+  {
+    auto server = TcpStoreServer::start({});
+    ASSERT_TRUE(server.ok()) << server.status();
+    port = (*server)->port();
+  }  // closed: nothing listens there now
+  ScopedRankVariables vars(port, "1", "2");
+  ::setenv("SHARDKIT_TRANSPORT", "infiniband", 1);
+  InitFromEnvOptions o;
+  o.store_connect_timeout = absl::Seconds(3);
+  auto pg = init_from_env(o);
+  ASSERT_FALSE(pg.ok());
+  EXPECT_EQ(pg.status().code(), absl::StatusCode::kInvalidArgument) << pg.status();
+  EXPECT_THAT(std::string(pg.status().message()),
+              ::testing::AllOf(::testing::HasSubstr("init_from_env (rank 1 of 2)"),
+                               ::testing::HasSubstr("to be tcp, shm or auto, found 'infiniband'")));
 }
 
 }  // namespace
