@@ -233,6 +233,8 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
   if (!options.watchdog || env->world_size == 1) return group;
   WatchdogOptions wo = *options.watchdog;
   wo.prefix = absl::StrCat(go.store_prefix, "/watchdog");
+  // The Store goes with this process: hand a verdict over first (Note [verdict hand-over] in watchdog.h).
+  if (so.is_server) wo.verdict_linger = wo.window;
   auto dog = Watchdog::start(shared_store, group, env->rank, env->world_size, wo);
   if (!dog.ok()) return dog.status();
   auto both = std::make_shared<GroupWithWatchdog>(GroupWithWatchdog{group, std::move(*dog)});

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -56,6 +57,25 @@ Watchdog::~Watchdog() {
     stop_ = true;
   }
   if (thread_.joinable()) thread_.join();
+  hand_over_verdict();
+}
+
+void Watchdog::hand_over_verdict() {
+  const std::string stalled_key = absl::StrCat(options_.prefix, "/stalled");
+  // One round trip; no verdict (or no Store any more: its host is gone, nobody is left to hand over to) ends here.
+  if (auto posted = store_->check({stalled_key}); !posted.ok() || !*posted) return;
+  int stalled = -1;
+  if (auto who = store_->get(absl::StrCat(stalled_key, "/rank"), absl::ZeroDuration()); who.ok()) {
+    if (!absl::SimpleAtoi(*who, &stalled)) stalled = -1;
+  }
+  if (!store_->set(absl::StrCat(options_.prefix, "/done/", rank_), "1").ok()) return;
+  if (options_.verdict_linger <= absl::ZeroDuration()) return;
+  std::vector<std::string> others;
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_ && r != stalled) others.push_back(absl::StrCat(options_.prefix, "/done/", r));
+  }
+  // A survivor that never says so (killed, or still busy) only delays this exit: the result is not needed.
+  if (!others.empty()) (void)store_->wait(others, options_.verdict_linger);
 }
 
 absl::Status Watchdog::status() const {
@@ -119,6 +139,7 @@ void Watchdog::loop() {
       // First verdict wins: post ours only if none is there (a race between two finders posts the same rank in
       // practice; the re-read makes every rank quote whichever landed).
       if (auto posted = store_->add(absl::StrCat(stalled_key, "/claims"), 1); posted.ok() && *posted == 1) {
+        (void)store_->set(absl::StrCat(stalled_key, "/rank"), absl::StrCat(r));  // first: Note [verdict hand-over]
         (void)store_->set(stalled_key, verdict);
       }
       if (auto final_verdict = store_->get(stalled_key, options_.interval); final_verdict.ok()) verdict = *final_verdict;

@@ -17,10 +17,23 @@
 // start() beats once before it returns; a rank is judged only once its first beat has been seen, so one that
 // never starts is the rendezvous's (or the collective deadline's) to report.
 //
+// Note [verdict hand-over]
+// A survivor whose collective fails because a peer aborted (the peer closed its connections) finds the origin in
+// the Store ("<group keys>/abort", posted before the peer shut its sockets; tcp_process_group.cc). The Store
+// usually lives in rank 0's process, and rank 0 is a survivor too: once its own call fails with the verdict its
+// program reports it and exits, taking the Store along, perhaps before a slower survivor has read why its
+// connection to rank 0 closed (it then named "connection to rank 0 lost" instead of the stopped rank). So the
+// verdict is handed over before the Store goes: the finder also posts the stalled rank under "<prefix>/stalled/
+// rank"; every watchdog, when destroyed (its program is done with the group) after a verdict was posted, says so
+// under "<prefix>/done/<rank>"; and the destructor on the rank hosting the Store (verdict_linger > 0) waits up to
+// verdict_linger for "done" from every rank but itself and the stalled one. Nothing waits when no verdict was
+// posted, and a survivor that never finishes (killed, or still busy) costs the host at most verdict_linger.
+//
 // Cost: per interval, one `add` and size-1 `get`s on the Store per rank (N² small requests per interval over the
 // job: fine for the tens of ranks this library runs; a tree of watchers would be next).
 //
-// Thread-safety: the destructor stops the thread; status() may be called from any thread.
+// Thread-safety: the destructor stops the thread (then hands a verdict over, Note [verdict hand-over]); status()
+// may be called from any thread.
 #pragma once
 
 #include <memory>
@@ -40,6 +53,9 @@ struct WatchdogOptions {
   absl::Duration interval = absl::Milliseconds(500);  // heartbeat period
   absl::Duration window = absl::Seconds(5);           // a counter still for this long: the rank has stalled
   std::string prefix = "watchdog";                     // Store keys; one prefix per group watched
+  // On the rank whose process hosts the Store: how long the destructor waits, after a verdict, for the other
+  // survivors to be done with it (Note [verdict hand-over]); zero elsewhere. init_from_env sets it to `window`.
+  absl::Duration verdict_linger = absl::ZeroDuration();
 };
 
 class Watchdog {
@@ -65,6 +81,9 @@ class Watchdog {
   void loop();
   // Aborts the group with `verdict` (once).
   void blame(const std::string& verdict);
+  // Note [verdict hand-over]: after a verdict, says this rank is done with it and, on the Store's host, waits
+  // (up to verdict_linger) for the other survivors to say so too.
+  void hand_over_verdict();
 
   std::shared_ptr<Store> store_;
   std::weak_ptr<ProcessGroup> group_;

@@ -1,6 +1,7 @@
 // Watchdog (Note [heartbeats] in common/comm/watchdog.h) and monitored_barrier, with in-process ranks sharing a
 // HashStore: a rank that stops beating is named by every other rank long before the collective deadline; ranks
 // that keep beating are never blamed; monitored_barrier names every rank that did not arrive.
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -103,6 +104,59 @@ TEST(Watchdog, RanksThatKeepBeatingAreNeverBlamed) {
     EXPECT_TRUE(got[r].ok()) << got[r];
     EXPECT_TRUE(dogs[r]->status().ok()) << dogs[r]->status();
   }
+}
+
+// Note [verdict hand-over]: the rank hosting the Store (verdict_linger > 0) keeps it, after a verdict, until every
+// other survivor's watchdog is gone (its program is done with the group), so none loses the verdict with the Store;
+// the stalled rank is not waited for. Before, rank 0's program could exit right after reporting the verdict and a
+// slower survivor named "connection to rank 0 lost" (StoppedRank/3 under load).
+TEST(Watchdog, TheStoresHostKeepsItAfterAVerdictUntilTheOtherSurvivorsAreDone) {
+  const int n = 3;
+  auto store = std::make_shared<HashStore>();
+  auto world = InProcessWorld::create(n);
+  std::vector<std::shared_ptr<ProcessGroup>> groups;
+  std::vector<std::unique_ptr<Watchdog>> dogs;
+  for (int r = 0; r < n; ++r) {
+    groups.push_back(world->group(r));
+    WatchdogOptions o = kFast;
+    if (r == 0) o.verdict_linger = absl::Seconds(120);  // rank 0 hosts the Store
+    auto d = Watchdog::start(store, groups.back(), r, n, o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    dogs.push_back(std::move(*d));
+  }
+  dogs[2]->pause_heartbeat_for_testing();
+  for (int r : {0, 1}) {
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (dogs[static_cast<std::size_t>(r)]->status().ok() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+    ASSERT_THAT(dogs[static_cast<std::size_t>(r)]->status().message(), HasSubstr("rank 2 stopped")) << r;
+  }
+  // Rank 0's program is done: its watchdog goes, and says so, but waits for rank 1's.
+  std::atomic<bool> host_gone{false};
+  std::thread host([&] {
+    dogs[0].reset();
+    host_gone = true;
+  });
+  EXPECT_TRUE(store->get("watchdog/done/0", absl::Seconds(30)).ok()) << "rank 0 never said it was done";
+  EXPECT_FALSE(host_gone.load()) << "rank 0 let the Store go while rank 1 might still need the verdict";
+  const absl::Time start = absl::Now();
+  dogs[1].reset();  // rank 1 is done too; the stalled rank 2 is not waited for
+  host.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));  // released by rank 1, not by the 120 s bound
+  EXPECT_TRUE(store->check({"watchdog/done/1"}).value());
+}
+
+TEST(Watchdog, WithoutAVerdictTheStoresHostDoesNotWait) {
+  auto store = std::make_shared<HashStore>();
+  auto world = InProcessWorld::create(2);
+  WatchdogOptions o = kFast;
+  o.verdict_linger = absl::Seconds(120);
+  auto host = Watchdog::start(store, world->group(0), 0, 2, o);
+  auto other = Watchdog::start(store, world->group(1), 1, 2, kFast);
+  ASSERT_TRUE(host.ok() && other.ok());
+  const absl::Time start = absl::Now();
+  host->reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));
+  EXPECT_FALSE(store->check({"watchdog/done/0"}).value());
 }
 
 TEST(Watchdog, RejectsAWindowThatOneLateBeatWouldCross) {
