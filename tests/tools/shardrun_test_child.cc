@@ -9,7 +9,8 @@
 //   token                   print "TOKEN=<SHARDKIT_STORE_TOKEN>" or "TOKEN unset"; exit 0
 //   store DIR               rank 0 hosts a TcpStore on MASTER_ADDR:MASTER_PORT (token from the environment) and
 //                           writes DIR/token (its token) then DIR/port once every rank has connected; every
-//                           rank gets key "done" (60 s); exit 0
+//                           rank gets key "done" (60 s), then sets "finished.<rank>"; rank 0 keeps the store
+//                           until every rank has finished (60 s); exit 0
 // Waiting for "every rank ready" polls the directory with a 20 s bound (a helper, not a test assertion).
 #include <signal.h>
 #include <unistd.h>
@@ -121,6 +122,16 @@ int main(int argc, char** argv) {
     if (!done.ok()) {
       std::printf("rank %d: %s\n", rank, done.status().ToString().c_str());
       return 4;
+    }
+    // The store lives in rank 0's process: it stays until every rank has had its answer (before, rank 0 could
+    // exit as soon as it read "done" and a rank still on its way to the get lost the store).
+    std::vector<std::string> finished;
+    for (int r = 0; r < world; ++r) finished.push_back("finished." + std::to_string(r));
+    auto fin = (*store)->set(finished[static_cast<std::size_t>(rank)], "1");
+    if (fin.ok() && rank == 0) fin = (*store)->wait(finished, absl::Seconds(60));
+    if (!fin.ok()) {
+      std::printf("rank %d: %s\n", rank, fin.ToString().c_str());
+      return 6;
     }
     return 0;
   }
