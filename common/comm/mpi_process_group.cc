@@ -256,16 +256,7 @@ struct Registry {
   std::weak_ptr<MpiEngine> engine;
 };
 Registry& registry() {
-  static Registry r;  // Note [mpi reductions]
-// MPI's reductions combine values in an order of the implementation's choosing, and Open MPI's differs with the
-// message size and the rank count. The reducing calls here do not use them: each rank receives every rank's copy
-// of the segment it owns (MPI_Ialltoall / MPI_Ialltoallv: (n-1)/n of the tensor sent and received per rank, what
-// a ring reduce-scatter moves), reduces those copies in rank order with reduce_into (reduce_kernels.h: f32
-// accumulation, bf16 / f16 rounded once), and for all_reduce and reduce sends the reduced segments back out
-// (MPI_Iallgatherv / MPI_Igatherv). The arithmetic is the in-process backend's, so results are bit-identical to
-// it on every rank, at any size, for every op and dtype.
-//
-// Note [one engine per process]
+  static Registry r;  // Note [one engine per process]
   return r;
 }
 

@@ -31,8 +31,10 @@
 //     alive until MPI finishes it (for the rest of the process if it never does), and a process that saw a
 //     failure does not call MPI_Finalize: the program should report the error and exit. mpirun then ends the
 //     job (a process that exits without finalizing is an error to Open MPI).
-//   * A rank process that dies: mpirun (Open MPI's default) kills every process of the job; shardkit is not
-//     told. Under Slurm, srun --kill-on-bad-exit=1 does the same.
+//   * A rank process that dies: mpirun (Open MPI's default) kills every process of the job at once, naming the
+//     rank that died; shardkit is not told. Under Slurm, srun --kill-on-bad-exit=1 does the same. Where the job
+//     outlives it (mpirun --enable-recovery), the other ranks' calls cannot complete and fail at their deadline,
+//     like those of a stopped (SIGSTOP) rank, which mpirun does not notice (tests/common/comm/mpi_test.cc).
 //   * MPI's own errors (the group's communicators return error codes, MPI_ERRORS_RETURN) fail the call with
 //     Internal quoting MPI's message, and abort the group.
 //   * Creating a sub-group is one blocking MPI call on the communication thread: a member that never joins

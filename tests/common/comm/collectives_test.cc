@@ -2,15 +2,20 @@
 // with a tiny reduction chunk so the multi-chunk paths run, over each backend whose ranks can be threads of
 // this process: in-process (RunRanks), TCP (TcpProcessGroup over loopback, SHARDKIT_TRANSPORT's "tcp") and
 // shared memory (the same group with transport "shm", tiny rings so that bytes and elements wrap around the
-// rings' ends). The MPI backend runs its matrix under mpirun (mpi_test.cc); process ranks and their faults
-// (a killed rank, a stopped one) are in shm_process_test.cc and tcp_multiprocess_test.cc.
+// rings' ends), and MPI, whose ranks are processes: this file built with SHARDKIT_COLLECTIVES_OVER_MPI
+// (comm_mpi_collectives_test) instantiates the suite over MPI alone, and each of its tests starts itself under
+// `mpirun -np n` (Note [collectives over mpi]). Process ranks of TCP and shared memory and their faults (a killed
+// rank, a stopped one) are in shm_process_test.cc, tcp_multiprocess_test.cc and stall_test.cc; MPI's in
+// mpi_test.cc.
 //
 // The in-process backend reduces in rank order and rounds bf16/f16 once, so the reference (same order,
-// same f32 arithmetic) must match bit for bit. The process backends reduce in ring / chain order and round
+// same f32 arithmetic) must match bit for bit; so must MPI's (it reduces with the same arithmetic, Note [mpi
+// reductions] in mpi_process_group.cc). The TCP and shared-memory backends reduce in ring / chain order and round
 // bf16/f16 at every hop (process_group.h allows it): their float sums are checked to within (n + 1) units of
 // the last place of the sum of magnitudes; min, max, i64 and every copy (broadcast, all_gather) stay exact.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -23,6 +28,12 @@
 #include "common/comm/tcp_process_group.h"
 #include "common/comm/testing/run_ranks.h"
 #include "gtest/gtest.h"
+#ifdef SHARDKIT_COLLECTIVES_OVER_MPI
+#include <unistd.h>
+
+#include "common/comm/mpi_process_group.h"
+#include "tests/tools/subprocess.h"
+#endif
 
 namespace shardkit::comm {
 namespace {
@@ -166,11 +177,62 @@ void expect_all(const Tensor& t, std::int64_t numel, std::int64_t stride, F expe
   expect_near_all(t, numel, stride, expect, [](std::int64_t) { return 0.0; }, what);
 }
 
-enum class Backend { kInProcess, kTcp, kShm };
+enum class Backend { kInProcess, kTcp, kShm, kMpi };
 
-// Runs fn(group, rank) on n rank threads over `backend`; the first failure (by rank order) is returned.
-absl::Status RunOn(Backend backend, int n, std::size_t chunk_bytes, absl::Duration timeout,
-                   const std::function<absl::Status(ProcessGroup&, int)>& fn) {
+using RankFn = std::function<absl::Status(ProcessGroup&, int)>;
+
+#ifdef SHARDKIT_COLLECTIVES_OVER_MPI
+// Note [collectives over mpi]
+// MPI ranks are processes of one mpirun job, and MPI can be initialised once per process, so an MPI test runs as
+// a launcher and n rank processes. The launcher (this test, as ctest starts it) runs
+//   mpirun -np n --oversubscribe --bind-to none <this binary> --gtest_filter=<this test>
+// with kMpiRankEnv set. In each rank process the same test body runs, and RunOn hands fn this process's rank of
+// the MPI world: the body's expectations are checked on every rank, which exits non-zero when one fails. The
+// launcher passes when mpirun exits 0 and every rank printed gtest's OK line for the test (a filter that matched
+// nothing would pass silently otherwise); it fails quoting the ranks' output.
+constexpr char kMpiRankEnv[] = "SHARDKIT_COLLECTIVES_MPI_RANK";
+
+absl::Status RunOnMpi(int n, absl::Duration timeout, const RankFn& fn) {
+  if (std::getenv(kMpiRankEnv) != nullptr) {  // a rank process
+    auto world = create_mpi_world({.default_timeout = timeout});
+    if (!world.ok()) return world.status();
+    if ((*world)->size() != n) {
+      return absl::FailedPreconditionError(absl::StrCat("expected an MPI world of ", n, " ranks, found ", (*world)->size()));
+    }
+    return fn(**world, (*world)->rank());
+  }
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string test = absl::StrCat(info->test_suite_name(), ".", info->name());
+  char self[4096];
+  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (len <= 0) return absl::InternalError("cannot read /proc/self/exe");
+  // Open MPI leaves allocations behind at exit: no leak check in the rank processes (sanitizer builds).
+  const char* asan = std::getenv("ASAN_OPTIONS");
+  const std::string asan_options = absl::StrCat(asan != nullptr ? asan : "", asan != nullptr ? ":" : "", "detect_leaks=0");
+  const auto r = shardkit::testing::run_command(
+      {MPIEXEC_PATH, "-np", std::to_string(n), "--oversubscribe", "--bind-to", "none", std::string(self, len),
+       "--gtest_filter=" + test, "--gtest_color=no"},
+      absl::ToDoubleSeconds(timeout) + 60,
+      {{kMpiRankEnv, "1"}, {"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+       {"ASAN_OPTIONS", asan_options}});
+  int passed = 0;
+  const std::string ok_line = absl::StrCat("[       OK ] ", test, " (");
+  for (auto at = r.out.find(ok_line); at != std::string::npos; at = r.out.find(ok_line, at + 1)) ++passed;
+  if (r.timed_out || r.exit_code != 0 || passed != n) {
+    return absl::InternalError(absl::StrCat("mpirun -np ", n, " ", test, ": ",
+                                            r.timed_out ? "timed out" : absl::StrCat("exit code ", r.exit_code), ", ",
+                                            passed, " of ", n, " ranks passed; their output:\n", r.out, r.err));
+  }
+  return absl::OkStatus();
+}
+#endif
+
+// Runs fn(group, rank) on n ranks over `backend` (threads of this process; MPI: Note [collectives over mpi]); the
+// first failure (by rank order) is returned.
+absl::Status RunOn(Backend backend, int n, std::size_t chunk_bytes, absl::Duration timeout, const RankFn& fn) {
+#ifdef SHARDKIT_COLLECTIVES_OVER_MPI
+  if (backend == Backend::kMpi) return RunOnMpi(n, timeout, fn);
+#endif
   if (backend == Backend::kInProcess) {
     RunRanksOptions options;
     options.timeout = timeout;
@@ -225,7 +287,7 @@ class CollectivesTest : public ::testing::TestWithParam<Param> {};
 TEST_P(CollectivesTest, MatchesScalarReference) {
   const auto [backend, n, dt, size] = GetParam();
   const bool big = size > 1000;
-  const bool exact = backend == Backend::kInProcess;
+  const bool exact = backend == Backend::kInProcess || backend == Backend::kMpi;
   // 250 / 3 f32 elements per reduction step; the process backends' big case takes 4096 (still hundreds of chunks
   // per call) so that their per-chunk system calls keep the suite fast.
   const std::size_t chunk_bytes = !big ? 12 : exact ? 1000 : 4096;
@@ -314,9 +376,13 @@ std::vector<Param> all_params(Backend backend) {
   return out;
 }
 
+#ifdef SHARDKIT_COLLECTIVES_OVER_MPI
+INSTANTIATE_TEST_SUITE_P(Mpi, CollectivesTest, ::testing::ValuesIn(all_params(Backend::kMpi)), param_name);
+#else
 INSTANTIATE_TEST_SUITE_P(InProcess, CollectivesTest, ::testing::ValuesIn(all_params(Backend::kInProcess)), param_name);
 INSTANTIATE_TEST_SUITE_P(Tcp, CollectivesTest, ::testing::ValuesIn(all_params(Backend::kTcp)), param_name);
 INSTANTIATE_TEST_SUITE_P(Shm, CollectivesTest, ::testing::ValuesIn(all_params(Backend::kShm)), param_name);
+#endif
 
 }  // namespace
 }  // namespace shardkit::comm

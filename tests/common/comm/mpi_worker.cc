@@ -9,10 +9,17 @@
 //                        "ERROR <ms> ms: <status>" (rank n-1: "ABORTED")
 //   mpi_worker stall     rank 1 never joins an all_reduce with a 2 s timeout; the others print
 //                        "ERROR <ms> ms: <status>", rank 1 "STALLED"
+//   mpi_worker kill V K T  all_reduces of 1 MiB with a T-second timeout in a loop; rank V SIGKILLs itself right
+//                          after issuing call K (mid-all_reduce); the others print "ERROR <ms> ms: <status>" (ms
+//                          since the call that failed was issued), meet on a group of the survivors and exit 3
+//   mpi_worker stop V K T  the same with SIGSTOP: rank V stays stopped until mpirun ends the job
 // After a failure each rank prints its line, then the ranks meet on a second world group (a fresh communicator:
 // MPI is still usable), so no rank exits (and makes mpirun end the job: a process that exits without MPI_Finalize
 // ends it) before every rank has printed.
+#include <signal.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -196,6 +203,29 @@ int main(int argc, char** argv) {
       return 0;
     }
     return report_and_meet(st, start);
+  }
+  if ((mode == "kill" || mode == "stop") && argc >= 5) {
+    const int victim = std::atoi(argv[2]);
+    const int at = std::atoi(argv[3]);
+    const absl::Duration timeout = absl::Seconds(std::atoi(argv[4]));
+    // Made before the fault, while every rank still answers: the survivors meet on it once they have printed (a
+    // group over members only, so the victim is not waited for).
+    auto survivors = pg.split(r == victim ? 1 : 0, r);
+    if (!survivors.ok()) return report_error(survivors.status(), absl::Now());
+    Tensor t = Tensor::full({1 << 18}, 1.0, {});
+    for (int i = 0; i < at + 50; ++i) {
+      const absl::Time call_start = absl::Now();
+      auto work = pg.all_reduce(t, tcp_testing::ar_opts(ReduceOp::sum(), timeout));
+      if (r == victim && i == at) ::raise(mode == "kill" ? SIGKILL : SIGSTOP);
+      if (absl::Status st = work->wait(); !st.ok()) {
+        const int rc = report_error(st, call_start);
+        (void)(*survivors)->barrier()->wait();
+        return rc;
+      }
+      t.fill_(1.0);
+    }
+    std::printf("NO ERROR\n");
+    return 0;
   }
   return 64;
 }
