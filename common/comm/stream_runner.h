@@ -68,10 +68,16 @@ class StreamRunner {
   std::string what;              // "all_reduce #3 (...) on group 'world' rank 1"
   std::vector<Pair*> all_pairs;  // by group rank (null: self), for naming every closed peer
 
-  // A local copy done while the pairs are busy (all_gather's own slice), finished before run() returns.
+  // A local copy (all_gather's own slice), finished before run() returns (Note [local copy] in stream_runner.cc):
+  // done along with the sends that read the same bytes, and while the pairs are busy.
   char* copy_dst = nullptr;
   const char* copy_src = nullptr;
   std::size_t copy_left = 0;
+
+  // Write the bytes copied into place (the local copy; chunks received from a peekable pair) with non-temporal
+  // stores, past the caches (Note [streaming copies] in stream_runner.cc): for calls larger than the caches
+  // (TcpProcessGroupOptions::streaming_copy_min_bytes); smaller results are better left in cache for their reader.
+  bool streaming_copies = false;
 
   absl::Status run(const Streams& streams);
 
@@ -83,6 +89,10 @@ class StreamRunner {
   // bytes taken from the pair.
   absl::StatusOr<std::size_t> reduce_from_peek(const StreamRecv& c, std::size_t& roff);
   bool copy_some(std::size_t max_bytes);
+  void copy_into_place(char* dst, const char* src, std::size_t bytes) const;
+  // How many bytes at `data` to hand the send pair at once, and the local copy of what it took.
+  std::size_t send_piece(const char* data, std::size_t bytes) const;
+  void copy_sent(const char* data, std::size_t bytes);
   absl::Status check_header(const CallHeader& got) const;
   absl::Status lost(int peer, const char* doing, const absl::Status& why) const;
   std::string closed_peers() const;

@@ -372,6 +372,7 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
   runner.deadline = call.deadline;
   runner.spin = options_.spin;
   runner.what = what;
+  runner.streaming_copies = main.defined() && main.nbytes() >= options_.streaming_copy_min_bytes;
   if (own_bytes > 0) {
     // Step 0 sends this rank's slice: read it from the input, and copy it into place meanwhile.
     for (StreamSend& c : streams.sends) {

@@ -97,6 +97,10 @@ struct TcpProcessGroupOptions {
   // chunks in flight (bench/comm_bench_shm.cc). Tests use tiny rings so that bytes and elements wrap around
   // the ring's end.
   std::size_t shm_ring_bytes = 1u << 20;
+  // Calls whose tensor has at least this many bytes write what they copy into place past the caches
+  // (non-temporal stores: Note [streaming copies] in stream_runner.cc); smaller results stay in cache for their
+  // reader. Tests lower it so that small tensors take that path.
+  std::size_t streaming_copy_min_bytes = std::size_t{16} << 20;
   // Testing seam: this rank's host identity (empty: the real one, shm_rendezvous.h); tests pretend hosts.
   std::string host_id = {};
 };

@@ -89,6 +89,51 @@ TEST(ShmTransport, AutoUsesSharedMemoryOnOneHostAndTcpBetweenHosts) {
       });
 }
 
+// Note [streaming copies] in stream_runner.cc: with streaming_copy_min_bytes = 0 every call copies into place with
+// non-temporal stores (received chunks out of the ring, all_gather's own slice). The results stay those of the
+// matrix's reference, and all_gather's bitwise, in place or not, through rings of 37 bytes (elements straddle the
+// ring's end; pieces shorter than a 64-byte block) and 4099 bytes (whole blocks at unaligned addresses).
+TEST(ShmTransport, StreamingCopiesGiveTheSameResults) {
+  for (const std::size_t ring : {std::size_t{37}, std::size_t{4099}}) {
+    for (const int n : {2, 3}) {
+      run_ranks(
+          n,
+          [&](int) {
+            TcpProcessGroupOptions o = base_options();
+            o.shm_ring_bytes = ring;
+            o.chunk_bytes = ring < 64 ? 24 : 1000;
+            o.streaming_copy_min_bytes = 0;
+            return o;
+          },
+          [&](int r, absl::StatusOr<std::shared_ptr<TcpProcessGroup>>& pg) {
+            ASSERT_TRUE(pg.ok()) << pg.status();
+            EXPECT_THAT(tcp_testing::run_collective_matrix(**pg, {0, 1, 7, 61}, {DType::f32, DType::bf16, DType::i64}),
+                        IsEmpty())
+                << "ring " << ring << ", n = " << n;
+            EXPECT_THAT(tcp_testing::run_collective_matrix(**pg, {100003}, {DType::f32}, /*all_ops=*/false), IsEmpty())
+                << "ring " << ring << ", n = " << n;
+            const std::int64_t m = 33331;  // per rank, odd
+            for (const bool in_place : {false, true}) {
+              Tensor out = Tensor::zeros({n * m});
+              Tensor in = tcp_testing::make_input(r, m, DType::f32);
+              if (in_place) {
+                out.view(r * m, {m}).copy_(in);
+                in = out.view(r * m, {m});
+              }
+              ASSERT_TRUE((*pg)->all_gather(out, in)->wait().ok());
+              std::int64_t bad = 0;
+              for (std::int64_t j = 0; j < n * m; ++j) {
+                const double want = tcp_testing::input_value(static_cast<int>(j / m), j % m);
+                if (out.data<float>()[j] != static_cast<float>(want)) ++bad;
+              }
+              EXPECT_EQ(bad, 0) << "all_gather" << (in_place ? " in place" : "") << ", ring " << ring << ", n = " << n
+                                << ", rank " << r;
+            }
+          });
+    }
+  }
+}
+
 TEST(ShmTransport, AutoOnOneHostIsSharedMemoryEverywhere) {
   run_ranks(
       3, [](int) { return base_options(); },
