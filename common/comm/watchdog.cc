@@ -61,6 +61,10 @@ Watchdog::~Watchdog() {
 }
 
 void Watchdog::hand_over_verdict() {
+  {
+    absl::MutexLock l(&mu_);
+    if (store_lost_) return;
+  }
   const std::string stalled_key = absl::StrCat(options_.prefix, "/stalled");
   // One round trip; no verdict (or no Store any more: its host is gone, nobody is left to hand over to) ends here.
   if (auto posted = store_->check({stalled_key}); !posted.ok() || !*posted) return;
@@ -114,7 +118,13 @@ void Watchdog::loop() {
       if (stop_ || !status_.ok()) return;
       paused = paused_;
     }
-    if (!paused) (void)store_->add(my_key, 1);  // a store that fails is the group's problem, not a stall
+    if (!paused) {
+      // A store that fails is the group's problem, not a stall; remembered for the hand-over (whose first
+      // request would otherwise spend reconnect_timeout on a Store whose host is gone).
+      const bool reached = store_->add(my_key, 1).ok();
+      absl::MutexLock l(&mu_);
+      store_lost_ = !reached;
+    }
     // A verdict from another watchdog wins: every survivor names the same rank.
     if (auto verdict = store_->get(stalled_key, absl::ZeroDuration()); verdict.ok()) {
       blame(*verdict);

@@ -95,6 +95,7 @@ class Watchdog {
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool paused_ ABSL_GUARDED_BY(mu_) = false;
+  bool store_lost_ ABSL_GUARDED_BY(mu_) = false;  // this rank's last beat did not reach the Store
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
