@@ -100,7 +100,8 @@ absl::Status CompiledStep::capture(const std::vector<Tensor>& batch, std::string
   for (const Node& n : graph.nodes()) {
     if (n.kind == NodeKind::output && n.name == "loss") loss_slot_ = n.reads[0];
   }
-  absl::StatusOr<Executor> executor = Executor::create(std::move(graph), ExecutorOptions{.groups = std::move(groups)});
+  absl::StatusOr<Executor> executor =
+      Executor::create(std::move(graph), ExecutorOptions{.groups = std::move(groups), .arena = options_.arena});
   if (!executor.ok()) return executor.status();
   executor_.emplace(*std::move(executor));
   trainable_ = trainable();

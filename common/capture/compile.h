@@ -74,6 +74,8 @@ struct CompileOptions {
   std::function<absl::Status(StepGraph&)> transform = nullptr;
   // coalesce_collectives' bound; 0 turns coalescing off.
   std::int64_t coalesce_bytes = 0;
+  // The replay's values come out of one StepArena (ExecutorOptions::arena).
+  bool arena = true;
 };
 
 // While a step is captured: records a placeholder node named `name` reading `reads` and writing `writes` (an
@@ -94,6 +96,8 @@ class CompiledStep {
   const StepGraph* graph() const { return executor_ ? &executor_->graph() : nullptr; }
   const MemoryPlan* memory_plan() const { return executor_ ? &executor_->plan() : nullptr; }
   const ReplayStats* last_stats() const { return executor_ ? &executor_->last_stats() : nullptr; }
+  // The step arena's size and where the last replay's allocations came from (Note [step arena]).
+  StepArena::Stats arena_stats() const { return executor_ ? executor_->arena_stats() : StepArena::Stats{}; }
   // Node counts of the captured graph before expansion, and the collectives dedup / coalesce removed.
   const std::map<std::string, int>& captured_counts() const { return captured_counts_; }
   // Collective nodes right after the parallel mode's expansion (before dedup and coalescing).

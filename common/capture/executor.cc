@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/grad_mode.h"
 #include "common/autograd/node.h"
+#include "common/tensor/host_block_source.h"
 
 namespace shardkit::capture {
 namespace {
@@ -75,33 +77,14 @@ MemoryPlan plan_memory(const StepGraph& graph) {
     live += d;
     plan.peak_bytes = std::max(plan.peak_bytes, live);
   }
-  // Arena: first fit, in order of first write, among the blocks whose lifetimes overlap.
-  std::sort(temps.begin(), temps.end(), [](const Lifetime& a, const Lifetime& b) { return a.first < b.first; });
-  struct Placed {
-    std::int64_t offset, bytes;
-    int last;
-  };
-  std::vector<Placed> placed;
-  for (const Lifetime& l : temps) {
-    const std::int64_t bytes = (slot_bytes(graph.slot(l.slot)) + 63) / 64 * 64;
-    std::vector<std::pair<std::int64_t, std::int64_t>> busy;
-    for (const Placed& p : placed) {
-      if (p.last >= l.first) busy.emplace_back(p.offset, p.offset + p.bytes);
-    }
-    std::sort(busy.begin(), busy.end());
-    std::int64_t offset = 0;
-    for (const auto& [b, e] : busy) {
-      if (offset + bytes <= b) break;
-      offset = std::max(offset, e);
-    }
-    placed.push_back({offset, bytes, l.last});
-    plan.arena_bytes = std::max(plan.arena_bytes, offset + bytes);
-  }
   return plan;
 }
 
 Executor::Executor(StepGraph graph, ExecutorOptions options, MemoryPlan plan)
-    : graph_(std::move(graph)), options_(std::move(options)), plan_(std::move(plan)) {
+    : graph_(std::move(graph)),
+      options_(std::move(options)),
+      plan_(std::move(plan)),
+      arena_(options_.arena ? std::make_shared<StepArena>() : nullptr) {
   // The inputs' tensors move from the graph into the replay's values (set_input rebinds them later).
   env_.resize(graph_.slots().size());
   for (const Node& n : graph_.nodes()) {
@@ -224,6 +207,13 @@ absl::Status Executor::run() {
   const Clock::time_point start = Clock::now();
   stats_ = {};
   failed_ = absl::OkStatus();
+  // Every allocation of the replay on this thread, up to and including the values dropped at its end, goes through
+  // the arena (Note [step arena]).
+  std::optional<HostBlockSourceScope> arena_scope;
+  if (arena_) {
+    arena_->begin_replay();
+    arena_scope.emplace(arena_);
+  }
   for (std::size_t i = 0; i < graph_.nodes().size() && failed_.ok(); ++i) {
     const Node& n = graph_.nodes()[i];
     const NodeSchedule& sched = schedule_[i];
@@ -319,6 +309,10 @@ absl::Status Executor::run() {
     for (std::size_t s = 0; s < env_.size(); ++s) {
       if (!keep_[s]) env_[s] = Tensor();
     }
+  }
+  if (arena_) {
+    arena_scope.reset();
+    arena_->end_replay();
   }
   stats_.total_seconds = seconds_since(start);
   return failed_;

@@ -9,10 +9,9 @@
 // gradient nobody else holds) and forgets it. What a backward node saved in forward is kept by that node, as in
 // eager, and freed when the node has run. So a replay holds no value longer than the eager step did.
 // plan_memory() is a pure function of the graph: it gives each node the slots it uses last, the peak bytes of
-// values alive at once by that rule (counting each value once, saved activations through the slot that made them),
-// and the size one arena would need for them with first-fit placement by lifetime (arena_bytes >= peak_bytes; the
-// gap is fragmentation). Values are allocated through the rank's ledger, not carved out of one arena: the
-// placement is computed and reported, not used yet.
+// values alive at once by that rule (counting each value once, saved activations through the slot that made them).
+// Where the values' bytes live is the StepArena's business (step_arena.h, Note [step arena]): one block per rank,
+// placed from the lifetimes of the allocations the first replay made, which also covers what backward nodes saved.
 //
 // Note [replay schedule]
 // A replay does no search and no lookup per node: create() computes, per node, the values it uses last (its slots
@@ -39,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/capture/step_arena.h"
 #include "common/capture/step_graph.h"
 #include "common/comm/process_group.h"
 
@@ -51,8 +51,7 @@ namespace shardkit::capture {
 struct MemoryPlan {
   // Per node: the slots whose last use it is (handed over to it, then forgotten).
   std::vector<std::vector<SlotId>> last_use;
-  std::int64_t peak_bytes = 0;   // most bytes of step values alive at once
-  std::int64_t arena_bytes = 0;  // one arena holding them, placed first-fit by lifetime
+  std::int64_t peak_bytes = 0;  // most bytes of step values alive at once
   int persistent_slots = 0;
   int temporary_slots = 0;
 };
@@ -63,6 +62,8 @@ MemoryPlan plan_memory(const StepGraph& graph);
 struct ExecutorOptions {
   // The groups collective nodes name (Node::group), by name.
   std::map<std::string, std::shared_ptr<comm::ProcessGroup>> groups;
+  // Carve the replay's values out of one StepArena (Note [step arena]); false: every value from the heap.
+  bool arena = true;
 };
 
 // Per replay, what the step spent outside kernels and collectives is the host overhead (train_bench reports it).
@@ -90,6 +91,8 @@ class Executor {
   // forgot.
   const Tensor& value(SlotId slot) const { return env_[static_cast<std::size_t>(slot)]; }
   const MemoryPlan& plan() const { return plan_; }
+  // The arena's size and where the last replay's allocations came from (zeros without an arena).
+  StepArena::Stats arena_stats() const { return arena_ ? arena_->stats() : StepArena::Stats{}; }
   const ReplayStats& last_stats() const { return stats_; }
 
  private:
@@ -118,6 +121,7 @@ class Executor {
   ExecutorOptions options_;
   MemoryPlan plan_;
   ReplayStats stats_;
+  std::shared_ptr<StepArena> arena_;  // nullptr: options.arena is false
   std::vector<Tensor> env_;  // one value per slot
   std::vector<bool> keep_;   // persistent slots
   std::vector<bool> names_a_node_;  // slots some backward node is found through (Node::grad_fn_slot)

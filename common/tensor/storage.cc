@@ -7,6 +7,9 @@
 #include "common/tensor/rank_context.h"
 
 namespace shardkit {
+namespace {
+std::size_t host_bytes(std::size_t nbytes) { return (nbytes + 63) / 64 * 64; }
+}  // namespace
 
 Storage::Storage(std::size_t nbytes, Device device, MemoryCategory category)
     : nbytes_(nbytes), device_(device), category_(category) {}
@@ -34,8 +37,13 @@ std::shared_ptr<Storage> Storage::borrow(void* data, std::size_t nbytes, Device 
 void Storage::allocate_bytes() {
   if (nbytes_ == 0) return;
   if (device_.is_cpu()) {
-    const std::size_t rounded = (nbytes_ + 63) / 64 * 64;
-    data_ = std::aligned_alloc(64, rounded);
+    const std::size_t rounded = host_bytes(nbytes_);
+    if (const std::shared_ptr<HostBlockSource>& source = current_host_block_source()) {
+      data_ = source->allocate(rounded);
+      source_ = source;
+    } else {
+      data_ = std::aligned_alloc(64, rounded);
+    }
     SK_CHECK(data_ != nullptr) << "out of host memory allocating " << nbytes_ << " bytes";
   } else {
     data_ = detail::cuda_allocate(device_, nbytes_);
@@ -46,7 +54,10 @@ void Storage::allocate_bytes() {
 void Storage::release() {
   SK_CHECK(!borrowed_) << "release() of borrowed storage";
   if (data_ == nullptr) return;
-  if (device_.is_cpu()) {
+  if (source_) {
+    source_->free(data_, host_bytes(nbytes_));
+    source_.reset();
+  } else if (device_.is_cpu()) {
     std::free(data_);
   } else {
     detail::cuda_free(device_, data_);

@@ -6,6 +6,8 @@
 //
 // Ownership: a Storage frees its bytes in its destructor, crediting the tracker it charged (it keeps
 // that tracker alive). Borrowed storage wraps caller-owned memory: never charged, never freed.
+// CPU bytes come from the HostBlockSource installed on the allocating thread (host_block_source.h), else the
+// heap; they go back to where they came from. The ledger is charged the same either way.
 // Thread-safety: none; a Storage belongs to one rank, whose threads synchronise through that rank's
 // own collectives and work handles.
 #pragma once
@@ -14,6 +16,7 @@
 #include <memory>
 
 #include "common/tensor/device.h"
+#include "common/tensor/host_block_source.h"
 #include "common/tensor/memory_tracker.h"
 
 namespace shardkit {
@@ -58,6 +61,7 @@ class Storage {
   MemoryCategory category_;
   bool borrowed_ = false;
   std::shared_ptr<MemoryTracker> tracker_;
+  std::shared_ptr<HostBlockSource> source_;  // where data_ came from; nullptr: the heap (or a device)
 };
 
 }  // namespace shardkit

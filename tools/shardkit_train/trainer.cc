@@ -382,8 +382,10 @@ class CompiledRunner : public Runner {
                     fsdp_mode_ ? "" : " (gradients already in buckets)", ", ", compiled_->deduplicated(),
                     " removed by dedup, ", left, " per step; captures: ", compiled_->captures(), "\n");
     if (const capture::MemoryPlan* plan = compiled_->memory_plan()) {
+      const capture::StepArena::Stats arena = compiled_->arena_stats();
       absl::StrAppend(&out, "memory plan: ", plan->temporary_slots, " step values, peak ", with_commas(plan->peak_bytes),
-                      " bytes, one arena would need ", with_commas(plan->arena_bytes), " bytes\n");
+                      " bytes; step arena ", with_commas(arena.arena_bytes), " bytes, the last replay's allocations ",
+                      arena.from_arena, " from it and ", arena.from_heap, " from the heap\n");
     }
     return out;
   }

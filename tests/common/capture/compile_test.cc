@@ -289,16 +289,23 @@ TEST(Compile, ANewBatchShapeOrANewSetOfTrainableParametersRecapturesAndStaysEqua
   EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
 }
 
-TEST(Compile, TheMemoryPlanPeakIsAtMostTheEagerPeak) {
-  std::int64_t eager_peak = 0, replay_peak = 0, planned_peak = 0;
+// The replay's ledger peak is at most eager's; and the step arena (Note [step arena]) holds the replay's values in
+// no more than eager's peak of step temporaries plus each block's rounding to 64 bytes, and no less than what the
+// replay has live at once. The first replay is the recording; from the second on every allocation but the loss
+// (held past the step) comes from the arena.
+TEST(Compile, TheMemoryPlanPeakIsAtMostTheEagerPeakAndTheArenaHoldsTheStepsValues) {
+  std::int64_t eager_peak = 0, eager_temporaries = 0, replay_peak = 0, replay_temporaries = 0, planned_peak = 0;
+  StepArena::Stats arena;
   {
     RankContext ctx;
     RankContextScope scope(ctx);
     Trainer t;
     t.eager(Batch(0));  // optimizer state exists from here on, as in the replayed steps
     ctx.memory->reset_peaks();
+    const std::int64_t before = ctx.memory->total_current();
     t.eager(Batch(1));
     eager_peak = ctx.memory->total_peak();
+    eager_temporaries = eager_peak - before;
   }
   {
     RankContext ctx;
@@ -307,14 +314,23 @@ TEST(Compile, TheMemoryPlanPeakIsAtMostTheEagerPeak) {
     t.eager(Batch(0));
     CompiledStep compiled = compile(t.step_fn(), t.model, *t.opt);
     ASSERT_TRUE(compiled(Batch(1)).ok());
+    EXPECT_EQ(compiled.arena_stats().from_arena, 0);  // recorded
     ctx.memory->reset_peaks();
+    const std::int64_t before = ctx.memory->total_current();
     ASSERT_TRUE(compiled(Batch(2)).ok());
     replay_peak = ctx.memory->total_peak();
+    replay_temporaries = replay_peak - before;
     planned_peak = compiled.memory_plan()->peak_bytes;
-    EXPECT_GE(compiled.memory_plan()->arena_bytes, planned_peak);
+    arena = compiled.arena_stats();
   }
   EXPECT_GT(planned_peak, 0);
   EXPECT_LE(replay_peak, eager_peak);
+  EXPECT_EQ(arena.recordings, 1);
+  EXPECT_EQ(arena.from_heap, 1);
+  EXPECT_GT(arena.from_arena, 100);
+  EXPECT_GE(arena.arena_bytes, replay_temporaries);
+  EXPECT_LE(arena.arena_bytes, eager_temporaries + 64 * arena.from_arena)
+      << "eager temporaries " << eager_temporaries << ", arena blocks " << arena.from_arena;
 }
 
 }  // namespace
