@@ -32,6 +32,8 @@
 //   108.4 / 77.0 MB against eager's 106.7 / 74.6 MB. On 2 cores the collectives' copies run on the same cores as
 //   the kernels (the in-process group's workers), so overlap hides little: the replay does the eager step's work
 //   (kernel_ms is most of the step) and wins only the autograd and hook bookkeeping.
+// With the step arena (102f67a; load 3-6, medians of 3, --benchmark_filter=compiled_fully_shard): N = 2 0.87-0.93,
+//   N = 4 0.85-0.95; the same session with CompileOptions::arena = false: 0.94-0.95.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
