@@ -70,8 +70,6 @@ void StepArena::end_replay() {
   if (plan.bytes > capacity_) {
     if (!busy_.empty()) return;  // a value of the old arena is still held: keep recording until it is given back
     std::free(base_);
-    base_ = nullptr;
-    capacity_ = 0;
     base_ = static_cast<std::byte*>(std::aligned_alloc(64, static_cast<std::size_t>(plan.bytes)));
     SK_CHECK(base_ != nullptr) << "out of host memory allocating a step arena of " << plan.bytes << " bytes";
     capacity_ = plan.bytes;

@@ -31,14 +31,15 @@ TEST(PlanArena, ASmallBlockFillsAGapLeftBetweenLargerOnes) {
   EXPECT_EQ(plan.bytes, 320);
 }
 
-// One "replay": takes 256 B (a), 128 B (b), gives b back, takes 256 B (c), gives a and c back.
-std::vector<void*> replay(StepArena& arena) {
+// One "replay": takes 256 B (a), 128 B (b), gives b back, takes 256 B (c), gives a (unless `keep_a`: a value held
+// past the replay) and c back.
+std::vector<void*> replay(StepArena& arena, bool keep_a = false) {
   arena.begin_replay();
   void* a = arena.allocate(256);
   void* b = arena.allocate(128);
   arena.free(b, 128);
   void* c = arena.allocate(256);
-  arena.free(a, 256);
+  if (!keep_a) arena.free(a, 256);
   arena.free(c, 256);
   arena.end_replay();
   return {a, b, c};
@@ -64,13 +65,7 @@ TEST(StepArena, ARangeStillHeldIsNeverHandedOutAgain) {
   StepArena arena;
   replay(arena);
   // A replay that keeps its first block past the end (a value held by someone), then a replay beside it.
-  arena.begin_replay();
-  void* kept = arena.allocate(256);
-  void* b = arena.allocate(128);
-  arena.free(b, 128);
-  void* c = arena.allocate(256);
-  arena.free(c, 256);
-  arena.end_replay();
+  void* kept = replay(arena, /*keep_a=*/true)[0];
   const std::vector<void*> next = replay(arena);
   EXPECT_NE(next[0], kept);  // the held range went to the heap instead
   EXPECT_EQ(arena.stats().from_heap, 1);
