@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <map>
 #include <optional>
 #include <utility>
 
@@ -37,6 +38,22 @@ std::vector<bool> persistent_slots(const StepGraph& g) {
 std::int64_t slot_bytes(const Slot& s) { return s.nbytes(); }
 
 }  // namespace
+
+std::vector<OpTime> kernel_time_by_op(const StepGraph& graph, const ReplayStats& stats) {
+  std::map<std::string, OpTime> by_name;
+  for (std::size_t i = 0; i < graph.nodes().size() && i < stats.node_seconds.size(); ++i) {
+    const Node& n = graph.nodes()[i];
+    if (n.kind != NodeKind::op) continue;
+    OpTime& t = by_name[n.name];
+    t.op = n.name;
+    t.seconds += stats.node_seconds[i];
+    ++t.calls;
+  }
+  std::vector<OpTime> out;
+  for (auto& [name, t] : by_name) out.push_back(std::move(t));
+  std::stable_sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
+  return out;
+}
 
 MemoryPlan plan_memory(const StepGraph& graph) {
   MemoryPlan plan;
@@ -205,7 +222,8 @@ void Executor::reap_completed() {
 
 absl::Status Executor::run() {
   const Clock::time_point start = Clock::now();
-  stats_ = {};
+  stats_.kernel_seconds = stats_.collective_seconds = stats_.total_seconds = 0;
+  stats_.node_seconds.assign(graph_.nodes().size(), 0.0);  // sized by the first replay, reused after
   failed_ = absl::OkStatus();
   // Every allocation of the replay on this thread, up to and including the values dropped at its end, goes through
   // the arena (Note [step arena]).
@@ -248,7 +266,9 @@ absl::Status Executor::run() {
         failed_ = absl::InternalError(absl::StrCat("replay: node ", i, " (", describe(n), "): ", e.what()));
         break;
       }
-      stats_.kernel_seconds += seconds_since(t0);
+      const double seconds = seconds_since(t0);
+      stats_.kernel_seconds += seconds;
+      stats_.node_seconds[i] = seconds;
       reads_.clear();  // the kernel's references to what it read go now, not at the next op
       for (std::size_t w = 0; w < n.writes.size(); ++w) {
         const SlotId s = n.writes[w];

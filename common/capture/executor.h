@@ -71,7 +71,16 @@ struct ReplayStats {
   double kernel_seconds = 0;      // inside op kernels
   double collective_seconds = 0;  // issuing collectives and waiting for them
   double total_seconds = 0;
+  std::vector<double> node_seconds;  // per node of the graph: its kernel's time (0 for other nodes)
 };
+
+// The replay's kernel time by op name (Node::name), most first: where a replayed step spends its time.
+struct OpTime {
+  std::string op;
+  double seconds = 0;
+  int calls = 0;
+};
+std::vector<OpTime> kernel_time_by_op(const StepGraph& graph, const ReplayStats& stats);
 
 class Executor {
  public:

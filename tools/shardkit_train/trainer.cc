@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/autograd/engine.h"
 #include "common/autograd/grad_mode.h"
 #include "common/capture/compile.h"
@@ -386,6 +387,21 @@ class CompiledRunner : public Runner {
       absl::StrAppend(&out, "memory plan: ", plan->temporary_slots, " step values, peak ", with_commas(plan->peak_bytes),
                       " bytes; step arena ", with_commas(arena.arena_bytes), " bytes, the last replay's allocations ",
                       arena.from_arena, " from it and ", arena.from_heap, " from the heap\n");
+    }
+    if (const capture::ReplayStats* stats = compiled_->last_stats(); stats != nullptr && stats->total_seconds > 0) {
+      // Where the last replay's time went: the ops that took the most kernel time, then the rest of the step.
+      const std::vector<capture::OpTime> ops = capture::kernel_time_by_op(*g, *stats);
+      absl::StrAppend(&out, "last replay: ", absl::StrFormat("%.1f", 1e3 * stats->total_seconds), " ms; kernels by op:");
+      constexpr std::size_t kShown = 6;
+      for (std::size_t k = 0; k < ops.size() && k < kShown; ++k) {
+        absl::StrAppend(&out, k == 0 ? " " : ", ", ops[k].op, " ", absl::StrFormat("%.1f", 1e3 * ops[k].seconds),
+                        " ms (", ops[k].calls, ")");
+      }
+      double rest = 0;
+      for (std::size_t k = kShown; k < ops.size(); ++k) rest += ops[k].seconds;
+      absl::StrAppend(&out, ops.size() > kShown ? absl::StrFormat(", %d more %.1f ms", ops.size() - kShown, 1e3 * rest) : "",
+                      absl::StrFormat("; collectives %.1f ms, host %.1f ms\n", 1e3 * stats->collective_seconds,
+                                      1e3 * (stats->total_seconds - stats->kernel_seconds - stats->collective_seconds)));
     }
     return out;
   }

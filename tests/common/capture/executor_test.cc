@@ -2,6 +2,7 @@
 // as threads: a value whose last use was a collective is given back as soon as the call is done.
 #include "common/capture/executor.h"
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +68,43 @@ TEST(Executor, AValueWhoseLastUseWasADoneCollectiveIsFreedBeforeTheStepEnds) {
     return absl::OkStatus();
   });
   ASSERT_TRUE(st.ok()) << st;
+}
+
+// Per-op kernel time of a replay: every op node's time is counted under its name, the totals add up to the replay's
+// kernel time, and the op that spins longest comes first (it spins 20 ms a call on the clock, the others return).
+TEST(Executor, KernelTimeByOpCountsEveryOpNodeUnderItsName) {
+  StepGraph g;
+  const SlotId x = g.add_slot("x", DType::f32, {4}), a = g.add_slot("a", DType::f32, {4}),
+               b = g.add_slot("b", DType::f32, {4}), c = g.add_slot("c", DType::f32, {4});
+  g.mutable_slot(x).value = Tensor::zeros({4});
+  g.add_input(x, "x");
+  auto spin = [](trace::KernelArgs& k) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+    k.writes[0] = Copy(k.reads[0]);
+  };
+  auto copy = [](trace::KernelArgs& k) { k.writes[0] = Copy(k.reads[0]); };
+  g.add(Op("spin", {x}, {a}, spin));
+  g.add(Op("copy", {a}, {b}, copy));
+  g.add(Op("spin", {b}, {c}, spin));
+  g.add_output(c, "c");
+  absl::StatusOr<Executor> ex = Executor::create(std::move(g));
+  ASSERT_TRUE(ex.ok()) << ex.status();
+  for (int replay = 0; replay < 2; ++replay) {
+    ASSERT_TRUE(ex->run().ok());
+    const ReplayStats& stats = ex->last_stats();
+    ASSERT_EQ(stats.node_seconds.size(), ex->graph().nodes().size());
+    EXPECT_EQ(stats.node_seconds.front(), 0.0);  // the input node runs no kernel
+    const std::vector<OpTime> by_op = kernel_time_by_op(ex->graph(), stats);
+    ASSERT_EQ(by_op.size(), 2u);
+    EXPECT_EQ(by_op[0].op, "spin");
+    EXPECT_EQ(by_op[0].calls, 2);
+    EXPECT_GE(by_op[0].seconds, 0.040);
+    EXPECT_EQ(by_op[1].op, "copy");
+    EXPECT_EQ(by_op[1].calls, 1);
+    EXPECT_NEAR(by_op[0].seconds + by_op[1].seconds, stats.kernel_seconds, 1e-9);
+  }
 }
 
 }  // namespace
