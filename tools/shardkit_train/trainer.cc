@@ -316,6 +316,13 @@ class FsdpRunner : public Runner {
 // --export (the shards live in the graph). The loss is seen after the step, so a non-finite loss stops the run after
 // that step's update (eager strategies stop before it; a checkpoint is still never written with it).
 class CompiledRunner : public Runner {
+  // fsdp: gather buckets of 4 MiB issued one bucket ahead, the last forward bucket kept for backward, and calls up to
+  // 128 KiB coalesced (Note [gather buckets] in fsdp/fully_shard_mode.h): train_bench's compiled_fully_shard
+  // configuration, its fastest measured (bench/train_bench_compiled.cc). Buckets move calls, never values.
+  static constexpr fsdp::FullyShardModeOptions kFullyShardModeOptions{
+      .bucket_bytes = 4 << 20, .prefetch = 1, .reshard_last_bucket_after_forward = false};
+  static constexpr std::int64_t kFullyShardCoalesceBytes = 128 << 10;
+
  public:
   static absl::StatusOr<std::unique_ptr<Runner>> create(Strategy s, nn::GPT& model,
                                                         std::shared_ptr<comm::ProcessGroup> pg, const Options& o) {
@@ -326,7 +333,7 @@ class CompiledRunner : public Runner {
     if (s == Strategy::ddp) {
       mode = std::make_shared<sddp::ReplicateMode>(pg);
     } else {
-      r->fsdp_mode_ = std::make_shared<fsdp::FullyShardMode>(pg);
+      r->fsdp_mode_ = std::make_shared<fsdp::FullyShardMode>(pg, kFullyShardModeOptions);
       mode = r->fsdp_mode_;
     }
     CompiledRunner* self = r.get();
@@ -338,7 +345,8 @@ class CompiledRunner : public Runner {
           self->opt_->zero_grad();
           return loss;
         },
-        model, *r->opt_, {.parallel_mode = std::move(mode)}));
+        model, *r->opt_,
+        {.parallel_mode = std::move(mode), .coalesce_bytes = s == Strategy::fsdp ? kFullyShardCoalesceBytes : 0}));
     return std::unique_ptr<Runner>(std::move(r));
   }
   absl::StatusOr<Tensor> compiled_step(const Tensor& x, const Tensor& y) override {
