@@ -22,6 +22,9 @@
 //                          all_gathers, reduce_scatters, all_reduces
 //   eager_collectives      the same count for the eager step
 //   nodes                  nodes of the replayed graph
+//   arena_B / heap_allocs  the step arena's size, and the last replay's allocations served outside it (Note [step
+//                          arena]: a range still busy, a value held past the step); spare_reuses: of those, blocks
+//                          reused from an earlier replay (Note [arena spares])
 //   peak_B / eager_peak_B  rank 0's ledger peak (all categories) during the compiled / the eager steps
 //
 // Measured (Zen 3, 2 cores shared with other work, load 3.2-3.8; medians of 5 repetitions of 5 steps):
@@ -97,6 +100,7 @@ struct CompiledCaseResult {
   comm::CommCounters compiled_comm;  // the last measured compiled step
   comm::CommCounters eager_comm;     // the last measured eager step
   int nodes = 0;
+  capture::StepArena::Stats arena;  // after the last measured replay
   MemorySnapshot compiled_memory, eager_memory;
 };
 
@@ -233,6 +237,7 @@ absl::Status RunCompiledRank(comm::RankEnv& env, Mode mode, benchmark::State* st
     }
     if (auto m = more(false); !m.ok()) return m.status();
     result.nodes = static_cast<int>(compiled->graph()->nodes().size());
+    result.arena = compiled->arena_stats();
     result.compiled_memory = compiled_ctx.memory->snapshot();
     result.eager_memory = eager_ctx.memory->snapshot();
   } else {
@@ -269,6 +274,9 @@ void BM_CompiledStep(benchmark::State& state, int world, Mode mode) {
   state.counters["all_reduces"] = static_cast<double>(r.compiled_comm.of(comm::CollectiveKind::all_reduce).calls);
   state.counters["eager_collectives"] = static_cast<double>(Calls(r.eager_comm));
   state.counters["nodes"] = r.nodes;
+  state.counters["arena_B"] = static_cast<double>(r.arena.arena_bytes);
+  state.counters["heap_allocs"] = static_cast<double>(r.arena.from_heap);
+  state.counters["spare_reuses"] = static_cast<double>(r.arena.from_spares);
   state.counters["peak_B"] = static_cast<double>(r.compiled_memory.total_peak);
   state.counters["eager_peak_B"] = static_cast<double>(r.eager_memory.total_peak);
 }

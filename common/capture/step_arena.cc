@@ -43,13 +43,16 @@ ArenaPlan plan_arena(const std::vector<ArenaBlock>& blocks) {
   return plan;
 }
 
-StepArena::~StepArena() { std::free(base_); }
+StepArena::~StepArena() {
+  for (const auto& [bytes, data] : spares_) std::free(data);
+  std::free(base_);
+}
 
 void StepArena::begin_replay() {
   std::lock_guard<std::mutex> lock(mu_);
   next_ = 0;
   departed_ = false;
-  stats_.from_arena = stats_.from_heap = 0;
+  stats_.from_arena = stats_.from_heap = stats_.from_spares = 0;
   if (recording_) {
     event_ = 0;
     recorded_.clear();
@@ -81,6 +84,13 @@ void StepArena::end_replay() {
 
 void* StepArena::heap(std::size_t nbytes) {
   ++stats_.from_heap;
+  if (auto it = spares_.find(nbytes); it != spares_.end()) {  // Note [arena spares]
+    void* data = it->second;
+    spares_.erase(it);
+    stats_.spare_bytes -= static_cast<std::int64_t>(nbytes);
+    ++stats_.from_spares;
+    return data;
+  }
   void* data = std::aligned_alloc(64, nbytes);
   SK_CHECK(data != nullptr) << "out of host memory allocating " << nbytes << " bytes";
   return data;
@@ -117,7 +127,7 @@ bool StepArena::in_arena(const void* data) const {
   return base_ != nullptr && p >= base_ && p < base_ + capacity_;
 }
 
-void StepArena::free(void* data, std::size_t /*nbytes*/) {
+void StepArena::free(void* data, std::size_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (in_arena(data)) {
     const std::size_t erased = busy_.erase(static_cast<std::byte*>(data) - base_);
@@ -127,6 +137,10 @@ void StepArena::free(void* data, std::size_t /*nbytes*/) {
   if (auto it = recording_index_.find(data); it != recording_index_.end()) {
     recorded_[it->second].given_back = event_++;
     recording_index_.erase(it);
+  } else if (stats_.spare_bytes + static_cast<std::int64_t>(nbytes) <= capacity_ / 4) {
+    spares_.emplace(nbytes, data);  // Note [arena spares]
+    stats_.spare_bytes += static_cast<std::int64_t>(nbytes);
+    return;
   }
   std::free(data);
 }

@@ -20,6 +20,14 @@
 // The ledger is charged per value as without an arena (what is live); arena_bytes is what the rank holds on to
 // between replays for them, as a caching allocator's reserved memory is to its allocated memory.
 //
+// Note [arena spares]
+// The heap's blocks recur too: under a parallel mode with prefetch the same few collective buffers go back later
+// than recorded every step, so their planned ranges are busy again and the same sizes fall back to the heap each
+// replay (tens of blocks of up to megabytes per step at gpt-10m), paying malloc and fresh pages each time. So a heap
+// block given back outside a recording is kept as a spare, by its exact size, and the next heap allocation of that
+// size takes it; spares are held up to a quarter of the arena's size (the rest is freed at once) and all freed
+// with the arena. Nothing else changes: a spare is a block nobody holds.
+//
 // Thread-safety: begin_replay / end_replay / allocate on the rank thread; free from any thread (a mutex).
 #pragma once
 
@@ -56,6 +64,8 @@ class StepArena final : public HostBlockSource {
     std::int64_t arena_bytes = 0;  // the arena's size (0 while none is placed)
     std::int64_t from_arena = 0;   // the last replay's allocations served from the arena
     std::int64_t from_heap = 0;    // and from the heap (recording, held past the step, busy range, departures)
+    std::int64_t from_spares = 0;  // of those, blocks given back to the heap before and reused (Note [arena spares])
+    std::int64_t spare_bytes = 0;  // held as spares now
     int recordings = 0;            // replays recorded so far
   };
 
@@ -85,6 +95,7 @@ class StepArena final : public HostBlockSource {
   std::byte* base_ = nullptr;
   std::int64_t capacity_ = 0;
   std::map<std::int64_t, std::int64_t> busy_;  // arena ranges in use: offset -> end
+  std::multimap<std::size_t, void*> spares_;     // Note [arena spares]: heap blocks nobody holds, by size
   Stats stats_;
 };
 

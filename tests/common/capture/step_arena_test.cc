@@ -1,6 +1,7 @@
 // StepArena (Note [step arena]): plan_arena on hand-built recordings (offsets and size asserted), and the arena
 // through record -> serve cycles: a replay that follows the recording is served at the planned offsets; a range
-// still held, a changed size or an extra allocation come from the heap; a departed replay is recorded again.
+// still held, a changed size or an extra allocation come from the heap; a departed replay is recorded again; heap
+// blocks given back are reused by the next fallback of their size.
 #include "common/capture/step_arena.h"
 
 #include <thread>
@@ -98,6 +99,40 @@ TEST(StepArena, AReplayThatDepartsFromTheRecordingIsServedFromTheHeapAndRecorded
   std::thread([&] { arena.free(big, 1024); }).join();  // given back on another thread
   arena.end_replay();
   EXPECT_EQ(arena.stats().from_arena, 1);
+}
+
+// Note [arena spares]: a block that fell back to the heap (its range still held) and was given back is kept, and the
+// next fallback of the same size takes it instead of the heap's; spares stay under a quarter of the arena.
+TEST(StepArena, AHeapBlockGivenBackIsTheNextFallbackOfItsSize) {
+  StepArena arena;
+  auto step = [&arena](bool keep_small) {
+    arena.begin_replay();
+    void* small = arena.allocate(256);
+    void* big = arena.allocate(4096);
+    arena.free(big, 4096);
+    if (!keep_small) arena.free(small, 256);
+    arena.end_replay();
+    return small;
+  };
+  step(false);  // recorded: arena of 4352 bytes, spares up to 1088
+  void* held = step(true);  // from the arena, held past the replay
+  void* first = step(false);  // its range is busy: from the heap, then given back
+  EXPECT_NE(first, held);
+  EXPECT_EQ(arena.stats().from_heap, 1);
+  EXPECT_EQ(arena.stats().from_spares, 0);
+  EXPECT_EQ(arena.stats().spare_bytes, 256);
+  void* second = step(false);
+  EXPECT_EQ(second, first);  // the spare, not a new block
+  EXPECT_EQ(arena.stats().from_heap, 1);
+  EXPECT_EQ(arena.stats().from_spares, 1);
+  EXPECT_EQ(arena.stats().spare_bytes, 256);
+  // A block over the bound is freed, not kept: 2048 > 1088 - 256.
+  arena.begin_replay();
+  void* over = arena.allocate(2048);  // departs from the recording: the heap
+  arena.free(over, 2048);
+  arena.end_replay();
+  EXPECT_EQ(arena.stats().spare_bytes, 256);
+  arena.free(held, 256);
 }
 
 }  // namespace
