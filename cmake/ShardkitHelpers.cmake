@@ -17,9 +17,10 @@ function(shardkit_warnings target)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-march=native>)
   endif()
   # Note [no-math-errno]: without it gcc will not vectorise loops that call sqrtf (DESIGN.md section 9).
-  # Note [no-trapping-math]: without it gcc 12 will not vectorise a loop whose clamped value feeds arithmetic
-  # (fast_exp's range clamp, so GELU, softmax, attention and cross-entropy ran scalar; DESIGN.md section 9).
-  # Neither changes a result: no reassociation and no contraction (-std=c++20 keeps -ffp-contract=off).
+  # Note [no-trapping-math]: without it gcc 12 keeps a float clamp whose result feeds arithmetic as a branch and
+  # will not vectorise the loop ("control flow in loop" in -fopt-info-vec-all): fast_exp's range clamp kept GELU,
+  # softmax, attention and cross-entropy scalar (bench/activation_bench measures them against their memory traffic).
+  # Neither flag changes a result: no reassociation, no contraction (-std=c++20 keeps -ffp-contract=off).
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fno-math-errno -fno-trapping-math>)
 endfunction()
 
