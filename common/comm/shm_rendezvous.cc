@@ -166,6 +166,9 @@ absl::StatusOr<TransportMesh> make_pairs(Store& store, int rank, int size, TcpMe
                                                     "e.g. containers? use SHARDKIT_TRANSPORT=tcp)")),
                     false);
       }
+      // Note [shm single copy]: allowed on the ring from p once this rank has read p's memory (before the
+      // meeting, so p sees the flag when it builds its pair).
+      if (options.pair.single_copy && probe_single_copy(**seg).ok()) (*self)->allow_single_copy(index_of(p));
       segments[static_cast<std::size_t>(p)] = std::move(*seg);
     }
     // Note [shm segment lifetime]: meet the local ranks, then unlink this rank's name.
@@ -186,7 +189,8 @@ absl::StatusOr<TransportMesh> make_pairs(Store& store, int rank, int size, TcpMe
     for (int p : local) {
       if (p == r) continue;
       const auto pi = static_cast<std::size_t>(p);
-      out.pairs[pi] = std::make_unique<ShmPair>(*self, index_of(p), segments[pi], me, std::move(mesh.sockets[pi]));
+      out.pairs[pi] = std::make_unique<ShmPair>(*self, index_of(p), segments[pi], me, std::move(mesh.sockets[pi]),
+                                                options.pair);
       out.kinds[pi] = "shm";
     }
   }

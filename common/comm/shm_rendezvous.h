@@ -18,6 +18,10 @@
 // maps its local peers' segments, meets them at "<keys>/shm_mapped/<lowest local rank>", then unlinks its own
 // name: from then on nothing is left behind in /dev/shm whatever happens to the processes.
 //
+// Single copy: before the meeting each rank probes each local peer's memory (probe_single_copy) and, when it
+// can read it and options.pair.single_copy is on, lets that peer send to it by single copy (per direction; a probe
+// that fails only keeps that direction on the ring).
+//
 // Errors name the group and rank ("TcpProcessGroup '<name>' rank r of n: ..."): DeadlineExceeded naming the
 // rank that did not publish in time, the segment's own errors (no room in /dev/shm, a segment that cannot be
 // opened: e.g. ranks in containers that share a host identity but not /dev/shm; use SHARDKIT_TRANSPORT=tcp).
@@ -31,6 +35,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/comm/shm_transport.h"
 #include "common/comm/store.h"
 #include "common/comm/tcp_rendezvous.h"
 #include "common/comm/transport.h"
@@ -51,6 +56,11 @@ struct ShmRendezvousOptions {
   TransportChoice choice = TransportChoice::kAuto;
   std::size_t ring_bytes = 1u << 20;  // each inbound ring
   std::string host_id;                // empty: local_host_id() (tests pretend several hosts)
+  // Single copy of large sends (Note [shm single copy] in shm_transport.cc): with pair.single_copy (off by
+  // default) each rank probes each local peer (probe_single_copy) and allows it on its inbound ring from that
+  // peer when the probe succeeds; the peer's sends then use it if its own option is on. Off: neither allowed nor
+  // used.
+  ShmPairOptions pair;
 };
 
 struct TransportMesh {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 #include "common/comm/call_header.h"
@@ -41,6 +42,21 @@ absl::StatusOr<TcpProcessGroupOptions> resolve_tcp_group_options(TcpProcessGroup
   }
   if (options.transport.empty()) {
     if (const char* env = std::getenv("SHARDKIT_TRANSPORT"); env != nullptr) options.transport = env;
+  }
+  if (!options.shm_single_copy.has_value()) {
+    if (const char* env = std::getenv("SHARDKIT_SHM_SINGLE_COPY"); env != nullptr && *env != '\0') {
+      const std::string v = absl::AsciiStrToLower(env);
+      if (v == "1" || v == "on" || v == "true") {
+        options.shm_single_copy = true;
+      } else if (v == "0" || v == "off" || v == "false") {
+        options.shm_single_copy = false;
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("expected SHARDKIT_SHM_SINGLE_COPY to be 1, on, true, 0, off or false, found '", env, "'"));
+      }
+    } else {
+      options.shm_single_copy = false;  // Note [shm single copy]: off unless asked for
+    }
   }
   if (options.chunk_bytes == 0) return absl::InvalidArgumentError("expected chunk_bytes > 0, found 0");
   if (options.shm_ring_bytes < 16) {
@@ -95,6 +111,8 @@ absl::Status TcpProcessGroup::connect_mesh(absl::Time deadline) {
   so.choice = choice;
   so.ring_bytes = options_.shm_ring_bytes;
   so.host_id = options_.host_id;
+  so.pair.single_copy = options_.shm_single_copy.value_or(false);
+  so.pair.single_copy_min_bytes = options_.shm_single_copy_min_bytes;
   absl::StatusOr<TransportMesh> pairs = make_pairs(*store_, rank(), size(), std::move(*mesh), so, deadline);
   if (!pairs.ok()) return pairs.status();
   peers_ = std::move(pairs->pairs);

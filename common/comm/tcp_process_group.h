@@ -53,6 +53,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,6 +63,7 @@
 #include "absl/time/time.h"
 #include "common/comm/completion_work.h"
 #include "common/comm/process_group.h"
+#include "common/comm/shm_transport.h"
 #include "common/comm/store.h"
 #include "common/comm/transport.h"
 
@@ -97,6 +99,13 @@ struct TcpProcessGroupOptions {
   // chunks in flight (bench/comm_bench_shm.cc). Tests use tiny rings so that bytes and elements wrap around
   // the ring's end.
   std::size_t shm_ring_bytes = 1u << 20;
+  // Single copy over shared memory (Note [shm single copy] in shm_transport.cc): sends of at least
+  // shm_single_copy_min_bytes are read by the peer straight out of this rank's memory (process_vm_readv) instead
+  // of through the ring, where the rendezvous' probe shows the kernel allows it. Unset: SHARDKIT_SHM_SINGLE_COPY
+  // (1/on/true or 0/off/false) if set (resolve_tcp_group_options), else off: on the VMs measured it is slower
+  // than the ring (process_vm_readv pins the sender's pages one by one; README, comm_bench).
+  std::optional<bool> shm_single_copy = std::nullopt;
+  std::size_t shm_single_copy_min_bytes = ShmPairOptions{}.single_copy_min_bytes;
   // Calls whose tensor has at least this many bytes write what they copy into place past the caches
   // (non-temporal stores: Note [streaming copies] in stream_runner.cc); smaller results stay in cache for their
   // reader. Tests lower it so that small tensors take that path.
@@ -105,8 +114,8 @@ struct TcpProcessGroupOptions {
   std::string host_id = {};
 };
 
-// The options create() uses: `token` and `transport` filled in from SHARDKIT_STORE_TOKEN / SHARDKIT_TRANSPORT where
-// empty, then checked (chunk_bytes > 0, shm_ring_bytes >= 16, a transport parse_transport_choice knows);
+// The options create() uses: `token`, `transport` and `shm_single_copy` filled in from SHARDKIT_STORE_TOKEN /
+// SHARDKIT_TRANSPORT / SHARDKIT_SHM_SINGLE_COPY where empty, then checked (chunk_bytes > 0, shm_ring_bytes >= 16, a transport parse_transport_choice knows);
 // InvalidArgument naming the setting otherwise. init_from_env calls it before it touches the store, so a bad
 // setting is reported by every rank as itself, never as a store connection that rank 0 dropped.
 absl::StatusOr<TcpProcessGroupOptions> resolve_tcp_group_options(TcpProcessGroupOptions options);
