@@ -19,6 +19,10 @@
 // through shared memory at all. It can pass 1: the rings (1 MiB) stay in cache between the copy in and the
 // reduction, while the raw exchange copies whole blocks (up to 64 MiB) through memory.
 //
+// SHARDKIT_SHM_SINGLE_COPY=1 measures the single-copy path (Note [shm single copy] in shm_transport.cc: sends of
+// 64 KiB and more read by the peer with process_vm_readv instead of through the ring); the peers inherit it.
+// COMM_BENCH_SHM_CHUNK_BYTES and COMM_BENCH_SHM_RING_BYTES set the group's chunk and ring sizes.
+//
 // Peers are forked on first use of each world size and follow commands ("op bytes iterations") posted through
 // a TcpStore; they die with this process (PR_SET_PDEATHSIG).
 #include <fcntl.h>
@@ -177,6 +181,8 @@ TcpProcessGroupOptions shm_group_options() {
   o.default_timeout = absl::Seconds(120);
   o.transport = "shm";
   o.shm_ring_bytes = ring_bytes();
+  // The chunk size: its default, or COMM_BENCH_SHM_CHUNK_BYTES (to measure others, e.g. with single copy).
+  if (const char* e = std::getenv("COMM_BENCH_SHM_CHUNK_BYTES")) (void)absl::SimpleAtoi(e, &o.chunk_bytes);
   return o;
 }
 
