@@ -228,6 +228,7 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
   std::shared_ptr<Store> shared_store(std::move(*store));
   auto pg = TcpProcessGroup::create(shared_store, env->rank, env->world_size, go);
   if (!pg.ok()) return pg.status();
+  const std::string failure_key = (*pg)->failure_key();
   if (options.rank_context.install) init_rank_context(*env, options.rank_context, current_rank_context());
   std::shared_ptr<ProcessGroup> group(std::move(*pg));
   if (!options.watchdog || env->world_size == 1) return group;
@@ -235,6 +236,7 @@ absl::StatusOr<std::shared_ptr<ProcessGroup>> init_from_env(InitFromEnvOptions o
   wo.prefix = absl::StrCat(go.store_prefix, "/watchdog");
   // The Store goes with this process: hand a verdict over first (Note [verdict hand-over] in watchdog.h).
   if (so.is_server) wo.verdict_linger = wo.window;
+  wo.failure_key = failure_key;
   auto dog = Watchdog::start(shared_store, group, env->rank, env->world_size, wo);
   if (!dog.ok()) return dog.status();
   auto both = std::make_shared<GroupWithWatchdog>(GroupWithWatchdog{group, std::move(*dog)});

@@ -159,7 +159,7 @@ absl::Status TcpProcessGroup::fail_group(const absl::Status& reason, bool post) 
   }
   if (post && first == reason) {
     // Best effort: ranks further away quote this instead of "my neighbour closed".
-    const std::string key = absl::StrCat(keys_, "/abort");
+    const std::string key = failure_key();
     if (!store_unreachable_.load()) {
       auto present = store_->check({key});
       if (!present.ok()) {
@@ -173,6 +173,8 @@ absl::Status TcpProcessGroup::fail_group(const absl::Status& reason, bool post) 
   cv_.notify_all();
   return first;
 }
+
+std::string TcpProcessGroup::failure_key() const { return absl::StrCat(keys_, "/abort"); }
 
 std::string TcpProcessGroup::backend_name() const {
   const bool shm = std::find(kinds_.begin(), kinds_.end(), "shm") != kinds_.end();
@@ -425,7 +427,7 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
     if (st.code() == absl::StatusCode::kUnavailable) {
       // A neighbour closing may be the echo of a failure further away: quote the origin when posted.
       absl::StatusOr<std::string> origin = absl::UnavailableError("store unreachable");
-      const std::string key = absl::StrCat(keys_, "/abort");
+      const std::string key = failure_key();
       if (!store_unreachable_.load()) {
         // check() first: it fails fast when the store is gone. A rank that fails posts its reason before
         // shutting its sockets, so an echo finds it at once; the short wait only covers a racing poster.

@@ -137,6 +137,9 @@ class TcpProcessGroup final : public ProcessGroup {
   const TcpProcessGroupOptions& options() const { return options_; }
   // The transport to group rank `peer`: "shm" or "tcp" (empty for this rank).
   const std::string& transport_to(int peer) const { return kinds_.at(static_cast<std::size_t>(peer)); }
+  // The Store key a failing rank posts its reason under before it shuts its connections; the others quote it
+  // (and a Watchdog hands it over before the Store's host exits: WatchdogOptions::failure_key).
+  std::string failure_key() const;
 
   // Testing seam (none by default): `hook` runs on the communication thread after it has taken a call off the
   // queue and before it runs it, with a function that blocks until this group's destruction has begun. Tests

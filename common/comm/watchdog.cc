@@ -1,5 +1,7 @@
 #include "common/comm/watchdog.h"
 
+#include <algorithm>
+
 #include <unistd.h>
 
 #include <vector>
@@ -66,20 +68,58 @@ void Watchdog::hand_over_verdict() {
     if (store_lost_) return;
   }
   const std::string stalled_key = absl::StrCat(options_.prefix, "/stalled");
-  // One round trip; no verdict (or no Store any more: its host is gone, nobody is left to hand over to) ends here.
-  if (auto posted = store_->check({stalled_key}); !posted.ok() || !*posted) return;
-  int stalled = -1;
-  if (auto who = store_->get(absl::StrCat(stalled_key, "/rank"), absl::ZeroDuration()); who.ok()) {
-    if (!absl::SimpleAtoi(*who, &stalled)) stalled = -1;
+  // A round trip per key; no verdict and no posted failure (or no Store any more: its host is gone, nobody is left
+  // to hand over to) ends here.
+  auto posted = store_->check({stalled_key});
+  if (!posted.ok()) return;
+  int stalled = -1;  // a posted failure: every other rank is waited for
+  if (*posted) {
+    if (auto who = store_->get(absl::StrCat(stalled_key, "/rank"), absl::ZeroDuration()); who.ok()) {
+      if (!absl::SimpleAtoi(*who, &stalled)) stalled = -1;
+    }
+  } else if (options_.failure_key.empty()) {
+    return;
+  } else if (auto failed = store_->check({options_.failure_key}); !failed.ok() || !*failed) {
+    return;
   }
   if (!store_->set(absl::StrCat(options_.prefix, "/done/", rank_), "1").ok()) return;
   if (options_.verdict_linger <= absl::ZeroDuration()) return;
-  std::vector<std::string> others;
+  std::vector<int> waiting;
   for (int r = 0; r < size_; ++r) {
-    if (r != rank_ && r != stalled) others.push_back(absl::StrCat(options_.prefix, "/done/", r));
+    if (r != rank_ && r != stalled) waiting.push_back(r);
   }
-  // A survivor that never says so (killed, or still busy) only delays this exit: the result is not needed.
-  if (!others.empty()) (void)store_->wait(others, options_.verdict_linger);
+  // Every other survivor is waited for until it says it is done, but not a rank whose heartbeat has stopped (killed
+  // by the failure, or stopped): it never will. A survivor that does not finish (still busy) only delays this exit
+  // up to verdict_linger: the result is not needed.
+  const absl::Time until = absl::Now() + options_.verdict_linger;
+  // Silent this long: gone. Generous against a live rank's late beats (a loaded host), short beside the window.
+  const absl::Duration gone_after = std::max(3 * options_.interval, options_.window / 4);
+  std::vector<std::string> last(static_cast<std::size_t>(size_));
+  std::vector<absl::Time> moved(static_cast<std::size_t>(size_), absl::Now());
+  while (!waiting.empty()) {
+    std::vector<std::string> done_keys;
+    for (int r : waiting) done_keys.push_back(absl::StrCat(options_.prefix, "/done/", r));
+    const absl::Duration left = until - absl::Now();
+    if (left <= absl::ZeroDuration() || store_->wait(done_keys, std::min(options_.interval, left)).ok()) return;
+    const absl::Time now = absl::Now();
+    std::vector<int> still;
+    for (std::size_t k = 0; k < waiting.size(); ++k) {
+      const int r = waiting[k];
+      if (auto done = store_->check({done_keys[k]}); !done.ok()) return;  // the Store is gone: nobody to wait for
+      else if (*done) continue;
+      auto count = store_->get(absl::StrCat(options_.prefix, "/hb/", r), absl::ZeroDuration());
+      const std::string seen = count.ok() ? *count : std::string();
+      std::string& prev = last[static_cast<std::size_t>(r)];
+      if (seen != prev) {
+        prev = seen;
+        moved[static_cast<std::size_t>(r)] = now;
+      } else if (now - moved[static_cast<std::size_t>(r)] > gone_after) {
+        continue;  // no beat for gone_after: gone
+      }
+      still.push_back(r);
+    }
+    waiting = std::move(still);
+  }
 }
 
 absl::Status Watchdog::status() const {

@@ -26,8 +26,13 @@
 // verdict is handed over before the Store goes: the finder also posts the stalled rank under "<prefix>/stalled/
 // rank"; every watchdog, when destroyed (its program is done with the group) after a verdict was posted, says so
 // under "<prefix>/done/<rank>"; and the destructor on the rank hosting the Store (verdict_linger > 0) waits up to
-// verdict_linger for "done" from every rank but itself and the stalled one. Nothing waits when no verdict was
-// posted, and a survivor that never finishes (killed, or still busy) costs the host at most verdict_linger.
+// verdict_linger for "done" from every rank but itself and the stalled one. A failure the group posted itself
+// (WatchdogOptions::failure_key: a rank's own error, posted before it shut its connections) is handed over the same
+// way, with every other rank waited for: the survivors quote it instead of "connection to rank 0 lost". A rank whose
+// heartbeat has not moved for a quarter of the window (at least 3 intervals: killed by the failure, or stopped) is no
+// longer waited for. Nothing
+// waits when neither was posted, and a survivor that never finishes (still busy) costs the host at most
+// verdict_linger.
 //
 // Cost: per interval, one `add` and size-1 `get`s on the Store per rank (N² small requests per interval over the
 // job: fine for the tens of ranks this library runs; a tree of watchers would be next).
@@ -56,6 +61,9 @@ struct WatchdogOptions {
   // On the rank whose process hosts the Store: how long the destructor waits, after a verdict, for the other
   // survivors to be done with it (Note [verdict hand-over]); zero elsewhere. init_from_env sets it to `window`.
   absl::Duration verdict_linger = absl::ZeroDuration();
+  // The Store key the watched group posts its failure under (TcpProcessGroup::failure_key()); when present at
+  // destruction it is handed over as a verdict is (Note [verdict hand-over]). Empty: none.
+  std::string failure_key = {};
 };
 
 class Watchdog {

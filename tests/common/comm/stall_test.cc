@@ -41,5 +41,30 @@ TEST_P(StoppedRank, EverySurvivorNamesItWithinTheHeartbeatWindow) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, StoppedRank, ::testing::Values(2, 3));
 
+// Note [verdict hand-over] for a failure of rank 0's own (it hosts the Store): rank 0 aborts its group and its program
+// ends; the others reach their next call seconds later and still quote rank 0's reason (the group posted it in the
+// Store, and rank 0's watchdog kept the Store until they were done), not "connection to rank 0 lost".
+class RankZeroFails : public ::testing::TestWithParam<int> {};
+
+TEST_P(RankZeroFails, ASurvivorStillQuotesItsReasonAfterItsProgramEnded) {
+  const int n = GetParam();
+  auto r = shardkit::testing::run_command({SHARDRUN_PATH, "--nproc", std::to_string(n), "--timeout", "300",
+                                           "--heartbeat-window", "10", "--grace-seconds", "20", "--",
+                                           STALL_WORKER_PATH, "0", "3", "abort"},
+                                          240, {{"SHARDKIT_TRANSPORT", "tcp"}});
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.out, HasSubstr("ABORTED"));
+  int errors = 0;
+  for (absl::string_view line : absl::StrSplit(r.out, '\n')) {
+    if (!absl::StrContains(line, "ERROR")) continue;
+    ++errors;
+    EXPECT_THAT(std::string(line), HasSubstr("the group failed: rank 0: its input is bad"));
+  }
+  EXPECT_EQ(errors, n - 1) << r.out << r.err;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, RankZeroFails, ::testing::Values(2, 3));
+
 }  // namespace
 }  // namespace shardkit::comm

@@ -147,6 +147,62 @@ TEST(Watchdog, TheStoresHostKeepsItAfterAVerdictUntilTheOtherSurvivorsAreDone) {
   EXPECT_TRUE(store->check({"watchdog/done/1"}).value());
 }
 
+// Note [verdict hand-over], a failure the group posted itself (a rank's own error, no stalled rank): the Store's host
+// waits for every other rank to be done with it.
+TEST(Watchdog, TheStoresHostKeepsItAfterAPostedGroupFailureUntilEveryOtherRankIsDone) {
+  const int n = 3;
+  auto store = std::make_shared<HashStore>();
+  auto world = InProcessWorld::create(n);
+  std::vector<std::unique_ptr<Watchdog>> dogs;
+  for (int r = 0; r < n; ++r) {
+    WatchdogOptions o = kFast;
+    o.window = absl::Seconds(20);  // a live rank counts as gone after 5 s without a beat: never here, even loaded
+    o.failure_key = "group/abort";
+    if (r == 0) o.verdict_linger = absl::Seconds(120);  // rank 0 hosts the Store
+    auto d = Watchdog::start(store, world->group(r), r, n, o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    dogs.push_back(std::move(*d));
+  }
+  ASSERT_TRUE(store->set("group/abort", "rank 0: bad input").ok());  // as TcpProcessGroup posts it
+  std::atomic<bool> host_gone{false};
+  std::thread host([&] {
+    dogs[0].reset();
+    host_gone = true;
+  });
+  EXPECT_TRUE(store->get("watchdog/done/0", absl::Seconds(30)).ok()) << "rank 0 never said it was done";
+  dogs[1].reset();
+  EXPECT_TRUE(store->get("watchdog/done/1", absl::Seconds(30)).ok());
+  EXPECT_FALSE(host_gone.load()) << "rank 0 let the Store go while rank 2 might still need the failure";
+  const absl::Time start = absl::Now();
+  dogs[2].reset();
+  host.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));  // released by rank 2, not by the 120 s bound
+}
+
+// ... but not for a rank whose heartbeat has stopped (a rank the failure killed never says it is done).
+TEST(Watchdog, TheStoresHostDoesNotWaitForARankWhoseHeartbeatStopped) {
+  const int n = 3;
+  auto store = std::make_shared<HashStore>();
+  auto world = InProcessWorld::create(n);
+  std::vector<std::unique_ptr<Watchdog>> dogs;
+  for (int r = 0; r < n; ++r) {
+    WatchdogOptions o = kFast;
+    o.window = absl::Seconds(8);  // gone after 2 s without a beat
+    o.failure_key = "group/abort";
+    if (r == 0) o.verdict_linger = absl::Seconds(120);
+    auto d = Watchdog::start(store, world->group(r), r, n, o);
+    ASSERT_TRUE(d.ok()) << d.status();
+    dogs.push_back(std::move(*d));
+  }
+  ASSERT_TRUE(store->set("group/abort", "rank 2's connection closed").ok());
+  dogs[2]->pause_heartbeat_for_testing();  // as if killed: beats no more, never says it is done
+  dogs[1].reset();
+  const absl::Time start = absl::Now();
+  dogs[0].reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));  // released once rank 2 stayed silent, not by the 120 s bound
+  EXPECT_FALSE(store->check({"watchdog/done/2"}).value());
+}
+
 TEST(Watchdog, WithoutAVerdictTheStoresHostDoesNotWait) {
   auto store = std::make_shared<HashStore>();
   auto world = InProcessWorld::create(2);
