@@ -37,6 +37,9 @@
 //   (kernel_ms is most of the step) and wins only the autograd and hook bookkeeping.
 // With the step arena (102f67a; load 3-6, medians of 3, --benchmark_filter=compiled_fully_shard): N = 2 0.87-0.93,
 //   N = 4 0.85-0.95; the same session with CompileOptions::arena = false: 0.94-0.95.
+// Quiet (load 2-4), after fast_exp vectorised (9406a72) and with the arena's spares (cc3d7d1), two runs of
+//   --benchmark_filter=compiled_fully_shard --benchmark_repetitions=3: N = 2 0.945, 0.947; N = 4 0.90, 0.87. At N = 2
+//   kernels are ~85% of the replay and eager fsdp's bookkeeping ~5% of its step (README, "Whole-step capture").
 #include <benchmark/benchmark.h>
 
 #include <chrono>
