@@ -18,15 +18,12 @@
 // vectorising, Note [no-trapping-math] in cmake/ShardkitHelpers.cmake).
 //
 // Run: build-*/bench/activation_bench
-#include <time.h>
-
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/thread_timing.h"
 #include "benchmark/benchmark.h"
 #include "common/autograd/engine.h"
 #include "common/autograd/ops/activation.h"
@@ -42,17 +39,8 @@ constexpr int kBlocks = 128;
 constexpr std::int64_t kBlockElements = std::int64_t{128} << 10;
 
 using Clock = std::chrono::steady_clock;
-
-double ThreadCpuSeconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::Median;
+using bench::ThreadCpuSeconds;
 
 // Values in [-4, 4): the range where GELU's tanh and the softmax's exp do real work.
 Tensor Filled(std::int64_t rows, std::int64_t cols, std::uint32_t salt) {

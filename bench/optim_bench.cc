@@ -21,14 +21,12 @@
 // descheduled, so they stay meaningful when other processes share the cores).
 //
 // Run: build-*/bench/optim_bench --benchmark_min_time=1
-#include <time.h>
-
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "bench/thread_timing.h"
 #include "benchmark/benchmark.h"
 #include "common/optim/adam.h"
 #include "common/optim/sgd.h"
@@ -40,6 +38,8 @@ namespace {
 constexpr std::int64_t kElements = std::int64_t{64} << 20;  // 64 Mi
 
 using Clock = std::chrono::steady_clock;
+using bench::Median;
+using bench::ThreadCpuSeconds;
 
 // Deterministic, cheap fills written straight into the tensors (64 Mi normal draws would dominate start-up).
 Tensor Filled(DType dtype, std::int64_t n, MemoryCategory category, float (*value)(std::int64_t)) {
@@ -92,19 +92,6 @@ __attribute__((noinline)) void LimitSgdBf16(float* __restrict w, const bf16_t* _
     b[i] += gi;
     p[i] = bf16_t{static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(wi) >> 16)};
   }
-}
-
-// CPU time of the calling thread: unlike wall time it does not count time the thread was descheduled,
-// which matters on this 2-core machine shared by the whole team.
-double ThreadCpuSeconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 enum class Algo { kAdamW, kSgd };

@@ -108,6 +108,30 @@ TEST(Watchdog, RanksThatKeepBeatingAreNeverBlamed) {
   }
 }
 
+// The Store-hosting job of the hand-over tests: one watchdog per rank of `groups` on `store`, with `options`, rank 0
+// hosting the Store (verdict_linger 120 s, far past any test's wait).
+std::vector<std::unique_ptr<Watchdog>> StartHostedWatchdogs(const std::shared_ptr<HashStore>& store,
+                                                            const std::vector<std::shared_ptr<ProcessGroup>>& groups,
+                                                            const WatchdogOptions& options) {
+  const int n = static_cast<int>(groups.size());
+  std::vector<std::unique_ptr<Watchdog>> dogs;
+  for (int r = 0; r < n; ++r) {
+    WatchdogOptions o = options;
+    if (r == 0) o.verdict_linger = absl::Seconds(120);
+    auto d = Watchdog::start(store, groups[static_cast<std::size_t>(r)], r, n, o);
+    EXPECT_TRUE(d.ok()) << d.status();
+    if (!d.ok()) return {};
+    dogs.push_back(std::move(*d));
+  }
+  return dogs;
+}
+
+std::vector<std::shared_ptr<ProcessGroup>> Groups(InProcessWorld& world, int n) {
+  std::vector<std::shared_ptr<ProcessGroup>> groups;
+  for (int r = 0; r < n; ++r) groups.push_back(world.group(r));
+  return groups;
+}
+
 // Note [verdict hand-over]: the rank hosting the Store (verdict_linger > 0) keeps it, after a verdict, until every
 // other survivor's watchdog is gone (its program is done with the group), so none loses the verdict with the Store;
 // the stalled rank is not waited for. Before, rank 0's program could exit right after reporting the verdict and a
@@ -116,16 +140,9 @@ TEST(Watchdog, TheStoresHostKeepsItAfterAVerdictUntilTheOtherSurvivorsAreDone) {
   const int n = 3;
   auto store = std::make_shared<HashStore>();
   auto world = InProcessWorld::create(n);
-  std::vector<std::shared_ptr<ProcessGroup>> groups;
-  std::vector<std::unique_ptr<Watchdog>> dogs;
-  for (int r = 0; r < n; ++r) {
-    groups.push_back(world->group(r));
-    WatchdogOptions o = kFast;
-    if (r == 0) o.verdict_linger = absl::Seconds(120);  // rank 0 hosts the Store
-    auto d = Watchdog::start(store, groups.back(), r, n, o);
-    ASSERT_TRUE(d.ok()) << d.status();
-    dogs.push_back(std::move(*d));
-  }
+  const std::vector<std::shared_ptr<ProcessGroup>> groups = Groups(*world, n);
+  std::vector<std::unique_ptr<Watchdog>> dogs = StartHostedWatchdogs(store, groups, kFast);
+  ASSERT_EQ(dogs.size(), 3u);
   dogs[2]->pause_heartbeat_for_testing();
   for (int r : {0, 1}) {
     const absl::Time until = absl::Now() + absl::Seconds(30);
@@ -153,16 +170,12 @@ TEST(Watchdog, TheStoresHostKeepsItAfterAPostedGroupFailureUntilEveryOtherRankIs
   const int n = 3;
   auto store = std::make_shared<HashStore>();
   auto world = InProcessWorld::create(n);
-  std::vector<std::unique_ptr<Watchdog>> dogs;
-  for (int r = 0; r < n; ++r) {
-    WatchdogOptions o = kFast;
-    o.window = absl::Seconds(20);  // a live rank counts as gone after 5 s without a beat: never here, even loaded
-    o.failure_key = "group/abort";
-    if (r == 0) o.verdict_linger = absl::Seconds(120);  // rank 0 hosts the Store
-    auto d = Watchdog::start(store, world->group(r), r, n, o);
-    ASSERT_TRUE(d.ok()) << d.status();
-    dogs.push_back(std::move(*d));
-  }
+  const std::vector<std::shared_ptr<ProcessGroup>> groups = Groups(*world, n);
+  WatchdogOptions o = kFast;
+  o.window = absl::Seconds(20);  // a live rank counts as gone after 5 s without a beat: never here, even loaded
+  o.failure_key = "group/abort";
+  std::vector<std::unique_ptr<Watchdog>> dogs = StartHostedWatchdogs(store, groups, o);
+  ASSERT_EQ(dogs.size(), 3u);
   ASSERT_TRUE(store->set("group/abort", "rank 0: bad input").ok());  // as TcpProcessGroup posts it
   std::atomic<bool> host_gone{false};
   std::thread host([&] {
@@ -184,16 +197,12 @@ TEST(Watchdog, TheStoresHostDoesNotWaitForARankWhoseHeartbeatStopped) {
   const int n = 3;
   auto store = std::make_shared<HashStore>();
   auto world = InProcessWorld::create(n);
-  std::vector<std::unique_ptr<Watchdog>> dogs;
-  for (int r = 0; r < n; ++r) {
-    WatchdogOptions o = kFast;
-    o.window = absl::Seconds(8);  // gone after 2 s without a beat
-    o.failure_key = "group/abort";
-    if (r == 0) o.verdict_linger = absl::Seconds(120);
-    auto d = Watchdog::start(store, world->group(r), r, n, o);
-    ASSERT_TRUE(d.ok()) << d.status();
-    dogs.push_back(std::move(*d));
-  }
+  const std::vector<std::shared_ptr<ProcessGroup>> groups = Groups(*world, n);
+  WatchdogOptions o = kFast;
+  o.window = absl::Seconds(8);  // gone after 2 s without a beat
+  o.failure_key = "group/abort";
+  std::vector<std::unique_ptr<Watchdog>> dogs = StartHostedWatchdogs(store, groups, o);
+  ASSERT_EQ(dogs.size(), 3u);
   ASSERT_TRUE(store->set("group/abort", "rank 2's connection closed").ok());
   dogs[2]->pause_heartbeat_for_testing();  // as if killed: beats no more, never says it is done
   dogs[1].reset();
