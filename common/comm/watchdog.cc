@@ -1,9 +1,8 @@
 #include "common/comm/watchdog.h"
 
-#include <algorithm>
-
 #include <unistd.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/numbers.h"
