@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -286,48 +287,40 @@ TEST(ShmSingleCopy, ASenderThatClosesIsNotReadAndAWaitingSenderNoticesADeadPeer)
   EXPECT_EQ(f.ba->stats().bytes_read, 0u);
 }
 
+// Two ranks (threads) meet through a Store and build their shared-memory pair; `configure` sets each rank's options
+// (after choosing shm). Returns, per rank, whether its pair sends by single copy.
+std::vector<bool> SendsSingleCopyAfterRendezvous(const std::function<void(int, ShmRendezvousOptions&)>& configure) {
+  auto store = std::make_shared<HashStore>();
+  std::vector<bool> sends(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      const absl::Time deadline = absl::Now() + absl::Seconds(60);
+      auto mesh = tcp_rendezvous(*store, r, 2, TcpRendezvousOptions{}, deadline);
+      ASSERT_TRUE(mesh.ok()) << mesh.status();
+      ShmRendezvousOptions so;
+      so.choice = TransportChoice::kShm;
+      configure(r, so);
+      auto pairs = make_pairs(*store, r, 2, std::move(*mesh), so, deadline);
+      ASSERT_TRUE(pairs.ok()) << pairs.status();
+      auto* shm = dynamic_cast<ShmPair*>(pairs->pairs[static_cast<std::size_t>(1 - r)].get());
+      ASSERT_NE(shm, nullptr);
+      sends[static_cast<std::size_t>(r)] = shm->sends_single_copy();
+    });
+  }
+  for (auto& t : threads) t.join();
+  return sends;
+}
+
 TEST(ShmSingleCopy, RendezvousAllowsEachDirectionWhoseReaderHasItOn) {
   // Both on: both directions single copy. Rank 1 off: it neither allows rank 0's sends nor posts its own. Neither
   // asks (the default): off both ways.
-  {
-    auto store = std::make_shared<HashStore>();
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        const absl::Time deadline = absl::Now() + absl::Seconds(60);
-        auto mesh = tcp_rendezvous(*store, r, 2, TcpRendezvousOptions{}, deadline);
-        ASSERT_TRUE(mesh.ok()) << mesh.status();
-        ShmRendezvousOptions so;
-        so.choice = TransportChoice::kShm;
-        auto pairs = make_pairs(*store, r, 2, std::move(*mesh), so, deadline);
-        ASSERT_TRUE(pairs.ok()) << pairs.status();
-        auto* shm = dynamic_cast<ShmPair*>(pairs->pairs[static_cast<std::size_t>(1 - r)].get());
-        ASSERT_NE(shm, nullptr);
-        EXPECT_FALSE(shm->sends_single_copy()) << "rank " << r;
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
+  const std::vector<bool> by_default = SendsSingleCopyAfterRendezvous([](int, ShmRendezvousOptions&) {});
+  EXPECT_FALSE(by_default[0]);
+  EXPECT_FALSE(by_default[1]);
   for (const bool rank1_on : {true, false}) {
-    auto store = std::make_shared<HashStore>();
-    std::vector<bool> sends(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        const absl::Time deadline = absl::Now() + absl::Seconds(60);
-        auto mesh = tcp_rendezvous(*store, r, 2, TcpRendezvousOptions{}, deadline);
-        ASSERT_TRUE(mesh.ok()) << mesh.status();
-        ShmRendezvousOptions so;
-        so.choice = TransportChoice::kShm;
-        so.pair.single_copy = r == 0 || rank1_on;
-        auto pairs = make_pairs(*store, r, 2, std::move(*mesh), so, deadline);
-        ASSERT_TRUE(pairs.ok()) << pairs.status();
-        auto* shm = dynamic_cast<ShmPair*>(pairs->pairs[static_cast<std::size_t>(1 - r)].get());
-        ASSERT_NE(shm, nullptr);
-        sends[static_cast<std::size_t>(r)] = shm->sends_single_copy();
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::vector<bool> sends = SendsSingleCopyAfterRendezvous(
+        [rank1_on](int r, ShmRendezvousOptions& so) { so.pair.single_copy = r == 0 || rank1_on; });
     EXPECT_EQ(sends[0], rank1_on);
     EXPECT_EQ(sends[1], rank1_on);
   }
