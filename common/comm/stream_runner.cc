@@ -84,7 +84,11 @@ void StreamRunner::copy_sent(const char* data, std::size_t bytes) {
 // shm all_gather at 64 MiB, N = 2, medians of 5 repetitions per run, runs alternated at load 6-15: frac_of_limit
 // 0.61-1.01 (median of 6 runs 0.67) before Note [local copy], 0.72-0.84 with it (4 runs), 0.75-1.25 (median of 6
 // runs 0.92) with it and these stores. On the Intel VM streaming stores made the in-process reduction slower
-// (reduce_kernels.cc); these copies were not measured there.
+// (reduce_kernels.cc); these copies were not measured there. Tried and left out (stop 27): reduce_scatter's
+// reduction into its separate output through non-temporal stores (combine into a 4 KiB block in L1, then streamed
+// into place): a quarter less memory traffic on paper, but comm_bench shm reduce_scatter at 64 MiB, N = 2, 5 runs
+// alternated with the plain stores, gave median busbw 3.06 GB/s against 3.47 (frac_of_limit 0.99 against 1.08):
+// the call waits on the ring hand-over, not on memory.
 static void stream_copy(char* dst, const char* src, std::size_t n) {
 #if defined(__SSE2__)
   const std::size_t head = std::min(n, (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16);

@@ -92,16 +92,21 @@ TEST(ShmTransport, AutoUsesSharedMemoryOnOneHostAndTcpBetweenHosts) {
 // Note [streaming copies] in stream_runner.cc: with streaming_copy_min_bytes = 0 every call copies into place with
 // non-temporal stores (received chunks out of the ring, all_gather's own slice). The results stay those of the
 // matrix's reference, and all_gather's bitwise, in place or not, through rings of 37 bytes (elements straddle the
-// ring's end; pieces shorter than a 64-byte block) and 4099 bytes (whole blocks at unaligned addresses).
+// ring's end; pieces shorter than a 64-byte block) and 4099 bytes (whole blocks at unaligned addresses), and over
+// TCP (the local copy only: TCP chunks are received by the kernel).
 TEST(ShmTransport, StreamingCopiesGiveTheSameResults) {
-  for (const std::size_t ring : {std::size_t{37}, std::size_t{4099}}) {
+  for (const std::size_t ring : {std::size_t{37}, std::size_t{4099}, std::size_t{0}}) {  // 0: over TCP
     for (const int n : {2, 3}) {
       run_ranks(
           n,
           [&](int) {
             TcpProcessGroupOptions o = base_options();
-            o.shm_ring_bytes = ring;
-            o.chunk_bytes = ring < 64 ? 24 : 1000;
+            if (ring == 0) {
+              o.transport = "tcp";
+            } else {
+              o.shm_ring_bytes = ring;
+            }
+            o.chunk_bytes = ring == 37 ? 24 : 1000;
             o.streaming_copy_min_bytes = 0;
             return o;
           },
