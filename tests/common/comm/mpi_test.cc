@@ -122,7 +122,8 @@ void ExpectEverySurvivorFailedAtTheDeadline(const RunResult& r, int n, int victi
         mine.push_back(e);
       }
     }
-    ASSERT_EQ(mine.size(), 1u) << "rank " << q << ":\n" << r.out << r.err;
+    ASSERT_EQ(mine.size(), 1u) << "rank " << q << " (mpirun exited " << r.exit_code << " after " << r.seconds
+                               << " s):\n" << r.out << r.err;
     EXPECT_THAT(mine[0], ::testing::AnyOf(HasSubstr("DEADLINE_EXCEEDED"), HasSubstr("ABORTED"))) << mine[0];
     EXPECT_THAT(mine[0], HasSubstr("not complete after its timeout of 4s")) << mine[0];
     const long long ms = std::stoll(mine[0].substr(6));
