@@ -199,9 +199,13 @@ struct MpiGroupState {
   }
   // The status a call fails with once the group failed with `failure` (as it is when it is about this call).
   absl::Status call_failure(const CollectiveCall& c, const absl::Status& failure) const {
-    const std::string w = where(c);
-    if (absl::StartsWith(failure.message(), w)) return failure;
-    return absl::Status(failure.code(), absl::StrCat(w, ": ", failure.message()));
+    return failure_naming(where(c), failure);
+  }
+  // `failure` as the error of the call described by `what` (where(call)): prefixed with it unless it is already
+  // about that call, so every failed call names itself first, whichever failure of the group it reports.
+  static absl::Status failure_naming(const std::string& what, const absl::Status& failure) {
+    if (absl::StartsWith(failure.message(), what)) return failure;
+    return absl::Status(failure.code(), absl::StrCat(what, ": ", failure.message()));
   }
 };
 
@@ -791,11 +795,15 @@ class MpiProcessGroup final : public ProcessGroup {
       auto s = weak_state.lock();
       auto engine = weak_engine.lock();
       if (!s || !engine) return absl::AbortedError(absl::StrCat(what, ": the group was destroyed"));
-      return engine->fail(*s,
-                          absl::DeadlineExceededError(absl::StrCat(what, ": not complete after its timeout of ",
-                                                                   absl::FormatDuration(timeout),
-                                                                   " (MPI cannot tell which ranks did not join)")),
-                          /*notify_peers=*/true);
+      // The group may have failed before this deadline (a peer's notice, an earlier call's deadline) without the
+      // engine thread having failed this call yet (it is inside a blocking MPI call, or the process was stopped):
+      // fail() then returns that first failure, which must still name this call.
+      return MpiGroupState::failure_naming(
+          what, engine->fail(*s,
+                             absl::DeadlineExceededError(absl::StrCat(what, ": not complete after its timeout of ",
+                                                                      absl::FormatDuration(timeout),
+                                                                      " (MPI cannot tell which ranks did not join)")),
+                             /*notify_peers=*/true));
     });
     engine_->submit(*state_, Pending{std::move(call), work});
     return work;

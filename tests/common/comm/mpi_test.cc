@@ -4,6 +4,9 @@
 // tcp_multiprocess_test.cc, stall_test.cc): a rank SIGKILLed mid-all_reduce and one SIGSTOPped (Note [mpi
 // failure] in mpi_process_group.h says what MPI can and cannot abort). Built when shardkit has MPI (label `mpi`);
 // the collectives suite over MPI is comm_mpi_collectives_test (collectives_test.cc).
+#include <unistd.h>
+
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -96,6 +99,30 @@ TEST(MpiFaults, AStalledRankIsADeadlineOnTheOthersNotAHang) {
     EXPECT_GE(ms, 1900);
     EXPECT_LT(ms, 30000);
   }
+}
+
+// A call whose deadline passes after its group already failed (here: an earlier call's deadline, while the
+// communication thread was held in a blocking MPI call, so neither call was failed by it) still fails naming
+// itself first, then the group's first failure. Before the fix the second call returned the first one's error
+// unchanged; a SIGCONTed rank then printed a line that named another rank's call (MpiStoppedRank failed under ASan).
+TEST(MpiFaults, ACallFailingAfterItsGroupFailedNamesItselfFirst) {
+  const std::string printed = ::testing::TempDir() + "mpi_late_" + std::to_string(::getpid());
+  std::remove(printed.c_str());
+  RunResult r = mpirun(2, "late", {printed});
+  std::remove(printed.c_str());
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  const auto first = lines_with(r.out, "FIRST ");
+  const auto second = lines_with(r.out, "SECOND ");
+  ASSERT_EQ(first.size(), 1u) << r.out << r.err;
+  ASSERT_EQ(second.size(), 1u) << r.out << r.err;
+  // "FIRST DEADLINE_EXCEEDED: all_reduce #k (f32[1000] cpu, sum) on group 'world' (mpi, rank 0): not complete ..."
+  const std::string first_message = first[0].substr(first[0].find(": ") + 2);
+  const std::string first_call = first_message.substr(0, first_message.find(": "));
+  EXPECT_THAT(first_message, HasSubstr("not complete after its timeout of 1s")) << r.out;
+  EXPECT_THAT(second[0], HasSubstr("DEADLINE_EXCEEDED: all_reduce #")) << r.out;
+  const std::string second_message = second[0].substr(second[0].find(": ") + 2);
+  EXPECT_NE(second_message.substr(0, second_message.find(": ")), first_call) << r.out;
+  EXPECT_THAT(second_message, HasSubstr(absl::StrCat(": ", first_message))) << r.out;
 }
 
 struct ProcessFault {

@@ -7,6 +7,8 @@
 //   mpi_worker disagree  rank 0 all-reduces 10 elements, the others 11; prints "ERROR: <status>"
 //   mpi_worker abort     rank n-1 aborts the world while the others wait in an all_reduce; prints
 //                        "ERROR <ms> ms: <status>" (rank n-1: "ABORTED")
+//   mpi_worker late FILE (2 ranks) rank 0 prints "FIRST <status>" and "SECOND <status>": two calls that failed at
+//                        their deadlines while its communication thread was held in a blocking MPI call
 //   mpi_worker stall     rank 1 never joins an all_reduce with a 2 s timeout; the others print
 //                        "ERROR <ms> ms: <status>", rank 1 "STALLED"
 //   mpi_worker kill V K T  all_reduces of 1 MiB with a T-second timeout in a loop; rank V SIGKILLs itself right
@@ -22,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/comm/mpi_process_group.h"
@@ -188,6 +191,34 @@ int main(int argc, char** argv) {
       return 0;
     }
     return report_and_meet(st, start);
+  }
+  if (mode == "late" && argc >= 3 && n == 2) {
+    // Rank 0's communication thread is held inside a blocking MPI call (creating a fresh world, which waits for
+    // rank 1) while two of its calls wait: the first fails at its deadline, the second at its own, later, after
+    // the group has already failed. Rank 1 joins the fresh world once rank 0 has printed (the file `argv[2]`).
+    const std::string printed = argv[2];
+    if (r == 1) {
+      const absl::Time until = absl::Now() + absl::Seconds(60);
+      while (absl::Now() < until) {
+        if (std::FILE* f = std::fopen(printed.c_str(), "r")) {
+          std::fclose(f);
+          break;
+        }
+        std::this_thread::yield();
+      }
+      meet_again();
+      return 0;
+    }
+    std::thread holder(meet_again);
+    Tensor a = Tensor::full({1000}, 1.0, {}), b = Tensor::full({1000}, 1.0, {});
+    auto first = pg.all_reduce(a, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(1)));
+    auto second = pg.all_reduce(b, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(3)));
+    const absl::Status s1 = first->wait(), s2 = second->wait();
+    std::printf("FIRST %s\nSECOND %s\n", s1.ToString().c_str(), s2.ToString().c_str());
+    std::fflush(stdout);
+    if (std::FILE* f = std::fopen(printed.c_str(), "w")) std::fclose(f);
+    holder.join();
+    return 3;
   }
   if (mode == "stall") {
     if (r == 1) {  // never joins the all_reduce; meets the others once they gave up
