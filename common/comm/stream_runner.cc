@@ -87,8 +87,8 @@ void StreamRunner::copy_sent(const char* data, std::size_t bytes) {
 // (reduce_kernels.cc); these copies were not measured there. Tried and left out (stop 27): reduce_scatter's
 // reduction into its separate output through non-temporal stores (combine into a 4 KiB block in L1, then streamed
 // into place): a quarter less memory traffic on paper, but comm_bench shm reduce_scatter at 64 MiB, N = 2, 5 runs
-// alternated with the plain stores, gave median busbw 3.06 GB/s against 3.47 (frac_of_limit 0.99 against 1.08):
-// the call waits on the ring hand-over, not on memory.
+// alternated with the plain stores, gave median busbw 3.06 GB/s against 3.47 (frac_of_limit 0.99 against 1.08).
+// Why was not established: the same reduction of 32 MiB alone is only 6-12% faster streamed on this machine.
 static void stream_copy(char* dst, const char* src, std::size_t n) {
 #if defined(__SSE2__)
   const std::size_t head = std::min(n, (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16);
