@@ -213,8 +213,11 @@ std::shared_ptr<Work> TcpProcessGroup::run(CollectiveCall call) {
     absl::Status st = absl::DeadlineExceededError(absl::StrCat(what, " on rank ", r, " did not complete within ",
                                                                absl::FormatDuration(timeout),
                                                                note.empty() ? "" : ": ", note));
-    if (self) st = self->fail_group(st, true);
-    return st;
+    if (!self) return st;
+    const absl::Status first = self->fail_group(st, true);
+    if (first == st) return st;
+    // The group had failed already (another call's deadline, an abort): name this call first, that as the cause.
+    return absl::Status(first.code(), absl::StrCat(what, " on rank ", r, ": the group had failed: ", first.message()));
   });
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -422,7 +425,9 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
     // Did this rank abort (abort() / a waiter's deadline shut the sockets)? Then report that origin.
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!failure_.ok()) return failure_;
+      if (!failure_.ok()) {
+        return absl::Status(failure_.code(), absl::StrCat(what, ": the group had failed: ", failure_.message()));
+      }
     }
     if (st.code() == absl::StatusCode::kUnavailable) {
       // A neighbour closing may be the echo of a failure further away: quote the origin when posted.

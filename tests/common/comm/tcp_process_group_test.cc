@@ -196,6 +196,52 @@ TEST(TcpProcessGroup, DestroyingTheGroupWhileACallIsBetweenQueueAndStartIsPrompt
   });
 }
 
+// Every failed call's error starts with the call itself, also when the group had already failed for another
+// call: the first failure follows as the cause (as over MPI, MpiFaults.ACallFailingAfterItsGroupFailedNamesItselfFirst).
+TEST(TcpProcessGroup, ACallWhoseDeadlinePassesAfterItsGroupFailedNamesItselfFirst) {
+  // Rank 0's comm thread holds its first call between queue and start; rank 1 never calls. Call #0's deadline
+  // (1 s) fails the group, then call #1's (2 s) passes while the comm thread still holds #0.
+  std::atomic<bool> rank0_done{false};
+  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    if (r == 1) {
+      while (!rank0_done.load()) std::this_thread::yield();  // connected, never calls
+      return;
+    }
+    pg->set_testing_after_dequeue([](const std::function<void()>& wait_for_destruction) { wait_for_destruction(); });
+    Tensor a = Tensor::full({10}, 1, {}), b = Tensor::full({10}, 1, {});
+    std::shared_ptr<Work> first = pg->all_reduce(a, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(1)));
+    std::shared_ptr<Work> second = pg->all_reduce(b, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(2)));
+    const absl::Status first_st = first->wait();
+    const absl::Status second_st = second->wait();
+    EXPECT_THAT(std::string(first_st.message()), ::testing::StartsWith("all_reduce #0")) << first_st;
+    EXPECT_THAT(std::string(second_st.message()), ::testing::StartsWith("all_reduce #1")) << second_st;
+    EXPECT_THAT(std::string(second_st.message()), HasSubstr("all_reduce #0")) << second_st;  // the cause
+    pg.reset();  // releases the held comm thread
+    rank0_done = true;
+  });
+}
+
+TEST(TcpProcessGroup, ACallRunningWhenALaterCallsDeadlineFailsTheGroupNamesItselfFirst) {
+  // Rank 1 never calls. Rank 0's call #0 (30 s) waits for it on the wire when call #1's deadline (1 s) fails the
+  // group and shuts the connections: #0's error must name #0, with #1's failure as the cause.
+  std::atomic<bool> rank0_done{false};
+  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    if (r == 1) {
+      while (!rank0_done.load()) std::this_thread::yield();
+      return;
+    }
+    Tensor a = Tensor::full({10}, 1, {}), b = Tensor::full({10}, 1, {});
+    std::shared_ptr<Work> first = pg->all_reduce(a, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(30)));
+    std::shared_ptr<Work> second = pg->all_reduce(b, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(1)));
+    const absl::Status second_st = second->wait();
+    const absl::Status first_st = first->wait();
+    EXPECT_THAT(std::string(second_st.message()), ::testing::StartsWith("all_reduce #1")) << second_st;
+    EXPECT_THAT(std::string(first_st.message()), ::testing::StartsWith("all_reduce #0")) << first_st;
+    EXPECT_THAT(std::string(first_st.message()), HasSubstr("all_reduce #1")) << first_st;
+    rank0_done = true;
+  });
+}
+
 // Forwards to a HashStore. Once armed, a set() of rank 0's address (a key ending in "/addr/0") waits until some
 // rank has asked for that address: a get() of such a key that found it present has returned, or one that found
 // it absent has started waiting. So in a re-created group a reader asks before rank 0 publishes its new address,
