@@ -22,14 +22,10 @@ void SoftmaxRows(const float* x, float* y, std::int64_t rows, std::int64_t n, bo
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* __restrict xr = x + r * n;
     float* __restrict yr = y + r * n;
-    float mx = -INFINITY;
-    for (std::int64_t j = 0; j < n; ++j) mx = std::max(mx, xr[j]);
-    float s = 0;
-    for (std::int64_t j = 0; j < n; ++j) {
-      const float e = detail::fast_exp(xr[j] - mx);
-      yr[j] = e;
-      s += e;
-    }
+    // Row max and sum in lanes (Note [lane sums] in fast_math.h): the exp loop on its own vectorises.
+    const float mx = detail::lane_max(xr, n);
+    for (std::int64_t j = 0; j < n; ++j) yr[j] = detail::fast_exp(xr[j] - mx);
+    const float s = detail::lane_sum(yr, n);
     if (log) {
       const float lse = mx + std::log(s);
       for (std::int64_t j = 0; j < n; ++j) yr[j] = xr[j] - lse;
@@ -147,8 +143,7 @@ Tensor softmax_compute(const Tensor& x) {
         const float* __restrict yr = yp + r * n;
         const float* __restrict gr = gp + r * n;
         float* __restrict orow = o + r * n;
-        float dot = 0;
-        for (std::int64_t j = 0; j < n; ++j) dot += yr[j] * gr[j];
+        const float dot = detail::lane_dot(yr, gr, n);
         for (std::int64_t j = 0; j < n; ++j) orow[j] = yr[j] * (gr[j] - dot);
       }
       return {gx};
@@ -174,8 +169,7 @@ Tensor log_softmax_compute(const Tensor& x) {
         const float* __restrict yr = yp + r * n;
         const float* __restrict gr = gp + r * n;
         float* __restrict orow = o + r * n;
-        float s = 0;
-        for (std::int64_t j = 0; j < n; ++j) s += gr[j];
+        const float s = detail::lane_sum(gr, n);
         for (std::int64_t j = 0; j < n; ++j) orow[j] = gr[j] - detail::fast_exp(yr[j]) * s;
       }
       return {gx};

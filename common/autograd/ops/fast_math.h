@@ -73,4 +73,58 @@ inline float fast_normal_cdf(float x) {
   return s < 2.0f ? centre : tail;
 }
 
+// Note [lane sums]
+// A row reduction written as one accumulator (s += x[j]) is a chain of dependent adds, and gcc may not reorder
+// float adds, so the loop stays scalar: about 4 cycles per element, and a loop that also computes fast_exp into
+// that sum runs its exp scalar too. The helpers below keep kReduceLanes partial results, lane l taking elements
+// l, l + kReduceLanes, ... in order, and combine the lanes in a fixed tree at the end. The order of every
+// operation is written in the source, so the result is the same on every build and instruction set (gcc maps the
+// lanes onto two AVX2 vectors or one AVX-512 vector; it does not reassociate), and the inner loop vectorises.
+// The result differs from a one-accumulator sum in its last bits.
+inline constexpr int kReduceLanes = 16;
+
+inline float lane_combine(float (&acc)[kReduceLanes]) {
+  for (int w = kReduceLanes / 2; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
+// sum_j x[j], in the order of Note [lane sums].
+inline float lane_sum(const float* __restrict x, std::int64_t n) {
+  float acc[kReduceLanes] = {};
+  std::int64_t j = 0;
+  for (; j + kReduceLanes <= n; j += kReduceLanes) {
+    for (int l = 0; l < kReduceLanes; ++l) acc[l] += x[j + l];
+  }
+  for (int l = 0; j + l < n; ++l) acc[l] += x[j + l];
+  return lane_combine(acc);
+}
+
+// sum_j x[j] * y[j], in the order of Note [lane sums].
+inline float lane_dot(const float* __restrict x, const float* __restrict y, std::int64_t n) {
+  float acc[kReduceLanes] = {};
+  std::int64_t j = 0;
+  for (; j + kReduceLanes <= n; j += kReduceLanes) {
+    for (int l = 0; l < kReduceLanes; ++l) acc[l] += x[j + l] * y[j + l];
+  }
+  for (int l = 0; j + l < n; ++l) acc[l] += x[j + l] * y[j + l];
+  return lane_combine(acc);
+}
+
+// max_j x[j] (-inf for n = 0); exact whatever the order, for inputs without NaN.
+inline float lane_max(const float* __restrict x, std::int64_t n) {
+  float acc[kReduceLanes];
+  for (float& a : acc) a = -INFINITY;
+  std::int64_t j = 0;
+  for (; j + kReduceLanes <= n; j += kReduceLanes) {
+    for (int l = 0; l < kReduceLanes; ++l) acc[l] = std::max(acc[l], x[j + l]);
+  }
+  for (int l = 0; j + l < n; ++l) acc[l] = std::max(acc[l], x[j + l]);
+  for (int w = kReduceLanes / 2; w >= 1; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] = std::max(acc[l], acc[l + w]);
+  }
+  return acc[0];
+}
+
 }  // namespace shardkit::autograd::detail

@@ -1,7 +1,9 @@
 // Finite-difference gradient checks for every op, over several shapes, plus forward values against
 // double-precision references where the forward is not trivial.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/autograd/ops.h"
@@ -433,6 +435,57 @@ TEST(FastMath, ExpAndTanhMatchLibm) {
   EXPECT_LT(worst_tanh, 3e-7);  // absolute
   EXPECT_EQ(detail::fast_exp(-1000.f), detail::fast_exp(-87.f));  // clamped, finite
   EXPECT_TRUE(std::isfinite(detail::fast_exp(1000.f)));
+}
+
+// Note [lane sums]: lane l adds elements l, l + 16, ... in order, then the lanes combine in a fixed tree. The
+// reference spells that order out one element at a time; any other order (a single accumulator, a reassociating
+// compiler flag) changes the bits of these sums, whose terms span nine orders of magnitude.
+TEST(FastMath, LaneReductionsFollowTheirDocumentedOrder) {
+  Generator gen(31, 0);
+  for (std::int64_t n : {0, 1, 5, 15, 16, 17, 31, 33, 1000, 4097}) {
+    SCOPED_TRACE(n);
+    std::vector<float> x(static_cast<std::size_t>(n)), y(static_cast<std::size_t>(n));
+    gen.fill_uniform(x.data(), n);
+    gen.fill_uniform(y.data(), n);
+    for (std::int64_t i = 0; i < n; ++i) x[i] = (x[i] - 0.5f) * std::pow(10.f, static_cast<float>(i % 10) - 4.f);
+    auto reference = [&](bool dot) {
+      float lanes[16] = {};
+      for (std::int64_t i = 0; i < n; ++i) lanes[i % 16] += dot ? x[i] * y[i] : x[i];
+      for (int w = 8; w >= 1; w /= 2) {
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+      }
+      return lanes[0];
+    };
+    EXPECT_EQ(detail::lane_sum(x.data(), n), reference(false));
+    EXPECT_EQ(detail::lane_dot(x.data(), y.data(), n), reference(true));
+    double exact = 0;
+    for (float v : x) exact += v;
+    EXPECT_NEAR(detail::lane_sum(x.data(), n), exact, 1e-6 * 1e5 * static_cast<double>(std::max<std::int64_t>(n, 1)));
+    EXPECT_EQ(detail::lane_max(x.data(), n), n == 0 ? -INFINITY : *std::max_element(x.begin(), x.end()));
+  }
+}
+
+TEST(GradCheck, SoftmaxOfLongRowsMatchesDoubleReference) {
+  // Rows longer than the reductions' 16 lanes (the short rows above use only their tails).
+  for (std::int64_t n : {16, 37, 1024}) {
+    SCOPED_TRACE(n);
+    Tensor x = RandomLeaf({3, n}, 19, -8.f, 8.f);
+    auto xv = x.to_vector();
+    auto sv = softmax(x).to_vector();
+    auto lv = log_softmax(x).to_vector();
+    for (std::int64_t r = 0; r < 3; ++r) {
+      double mx = -1e30, s = 0;
+      for (std::int64_t j = 0; j < n; ++j) mx = std::max(mx, static_cast<double>(xv[r * n + j]));
+      for (std::int64_t j = 0; j < n; ++j) s += std::exp(xv[r * n + j] - mx);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double v = xv[r * n + j];
+        EXPECT_NEAR(sv[r * n + j], std::exp(v - mx) / s, 1e-6 * std::exp(v - mx) / s + 1e-9);
+        EXPECT_NEAR(lv[r * n + j], v - mx - std::log(s), 4e-6);
+      }
+    }
+    ExpectGradientsMatch([](const TL& in) { return softmax(in[0]); }, {x});
+    ExpectGradientsMatch([](const TL& in) { return log_softmax(in[0]); }, {x});
+  }
 }
 
 TEST(FastMath, NormalCdfMatchesLibm) {
