@@ -13,14 +13,10 @@ namespace {
 void CausalSoftmax(float* s, std::int64_t t) {
   for (std::int64_t i = 0; i < t; ++i) {
     float* __restrict row = s + i * t;
-    float mx = -INFINITY;
-    for (std::int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
-    float sum = 0;
-    for (std::int64_t j = 0; j <= i; ++j) {
-      const float e = detail::fast_exp(row[j] - mx);
-      row[j] = e;
-      sum += e;
-    }
+    // Max and sum in lanes (Note [lane sums] in fast_math.h), so the exp loop vectorises.
+    const float mx = detail::lane_max(row, i + 1);
+    for (std::int64_t j = 0; j <= i; ++j) row[j] = detail::fast_exp(row[j] - mx);
+    const float sum = detail::lane_sum(row, i + 1);
     const float inv = 1.f / sum;
     for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
     for (std::int64_t j = i + 1; j < t; ++j) row[j] = 0.f;
@@ -82,8 +78,7 @@ Tensor causal_attention_compute(const Tensor& qkv, std::int64_t num_heads) {
                          for (std::int64_t i = 0; i < t; ++i) {
                            const float* __restrict pr = p + i * t;
                            float* __restrict dr = datt + i * t;
-                           float dot = 0;
-                           for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
+                           const float dot = detail::lane_dot(pr, dr, i + 1);
                            for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
                            for (std::int64_t j = i + 1; j < t; ++j) dr[j] = 0.f;
                          }

@@ -112,6 +112,17 @@ inline float lane_dot(const float* __restrict x, const float* __restrict y, std:
   return lane_combine(acc);
 }
 
+// sum_j exp(x[j] - shift) with fast_exp, in the order of Note [lane sums] (no buffer for the exps needed).
+inline float lane_sum_exp(const float* __restrict x, std::int64_t n, float shift) {
+  float acc[kReduceLanes] = {};
+  std::int64_t j = 0;
+  for (; j + kReduceLanes <= n; j += kReduceLanes) {
+    for (int l = 0; l < kReduceLanes; ++l) acc[l] += fast_exp(x[j + l] - shift);
+  }
+  for (int l = 0; j + l < n; ++l) acc[l] += fast_exp(x[j + l] - shift);
+  return lane_combine(acc);
+}
+
 // max_j x[j] (-inf for n = 0); exact whatever the order, for inputs without NaN.
 inline float lane_max(const float* __restrict x, std::int64_t n) {
   float acc[kReduceLanes];

@@ -31,10 +31,9 @@ Tensor cross_entropy_compute(const Tensor& logits, const Tensor& targets, std::i
     SK_CHECK(target >= 0 && target < v) << "cross_entropy: target " << target << " at position " << r
                                         << " is outside [0, " << v << ")";
     const float* __restrict xr = x + r * v;
-    float mx = -INFINITY;
-    for (std::int64_t j = 0; j < v; ++j) mx = std::max(mx, xr[j]);
-    float s = 0;
-    for (std::int64_t j = 0; j < v; ++j) s += detail::fast_exp(xr[j] - mx);
+    // Max and sum of exps in lanes (Note [lane sums] in fast_math.h): vectorised.
+    const float mx = detail::lane_max(xr, v);
+    const float s = detail::lane_sum_exp(xr, v, mx);
     lse[r] = mx + std::log(s);
     total += static_cast<double>(lse[r]) - static_cast<double>(xr[target]);
     ++count;
