@@ -90,37 +90,29 @@ inline float lane_combine(float (&acc)[kReduceLanes]) {
   return acc[0];
 }
 
-// sum_j x[j], in the order of Note [lane sums].
+// sum_j term(j) for j in [0, n), in the order of Note [lane sums]; term is inlined into the vectorised loop.
+template <typename Term>
+inline float lane_sum_of(std::int64_t n, Term term) {
+  float acc[kReduceLanes] = {};
+  std::int64_t j = 0;
+  for (; j + kReduceLanes <= n; j += kReduceLanes) {
+    for (int l = 0; l < kReduceLanes; ++l) acc[l] += term(j + l);
+  }
+  for (int l = 0; j + l < n; ++l) acc[l] += term(j + l);
+  return lane_combine(acc);
+}
+
 inline float lane_sum(const float* __restrict x, std::int64_t n) {
-  float acc[kReduceLanes] = {};
-  std::int64_t j = 0;
-  for (; j + kReduceLanes <= n; j += kReduceLanes) {
-    for (int l = 0; l < kReduceLanes; ++l) acc[l] += x[j + l];
-  }
-  for (int l = 0; j + l < n; ++l) acc[l] += x[j + l];
-  return lane_combine(acc);
+  return lane_sum_of(n, [x](std::int64_t j) { return x[j]; });
 }
 
-// sum_j x[j] * y[j], in the order of Note [lane sums].
 inline float lane_dot(const float* __restrict x, const float* __restrict y, std::int64_t n) {
-  float acc[kReduceLanes] = {};
-  std::int64_t j = 0;
-  for (; j + kReduceLanes <= n; j += kReduceLanes) {
-    for (int l = 0; l < kReduceLanes; ++l) acc[l] += x[j + l] * y[j + l];
-  }
-  for (int l = 0; j + l < n; ++l) acc[l] += x[j + l] * y[j + l];
-  return lane_combine(acc);
+  return lane_sum_of(n, [x, y](std::int64_t j) { return x[j] * y[j]; });
 }
 
-// sum_j exp(x[j] - shift) with fast_exp, in the order of Note [lane sums] (no buffer for the exps needed).
+// sum_j exp(x[j] - shift) with fast_exp, no buffer for the exps needed.
 inline float lane_sum_exp(const float* __restrict x, std::int64_t n, float shift) {
-  float acc[kReduceLanes] = {};
-  std::int64_t j = 0;
-  for (; j + kReduceLanes <= n; j += kReduceLanes) {
-    for (int l = 0; l < kReduceLanes; ++l) acc[l] += fast_exp(x[j + l] - shift);
-  }
-  for (int l = 0; j + l < n; ++l) acc[l] += fast_exp(x[j + l] - shift);
-  return lane_combine(acc);
+  return lane_sum_of(n, [x, shift](std::int64_t j) { return fast_exp(x[j] - shift); });
 }
 
 // max_j x[j] (-inf for n = 0); exact whatever the order, for inputs without NaN.

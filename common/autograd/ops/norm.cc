@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "common/autograd/ops/fast_math.h"
 #include "common/autograd/ops/op_utils.h"
 
 namespace shardkit::autograd {
@@ -35,11 +36,9 @@ Tensor layer_norm_compute(const Tensor& x, const Tensor& weight, const Tensor& b
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* __restrict xr = xp + r * c;
     float* __restrict yr = y + r * c;
-    float s = 0;
-    for (std::int64_t j = 0; j < c; ++j) s += xr[j];
-    const float mean = s * inv_c;
-    float v = 0;
-    for (std::int64_t j = 0; j < c; ++j) v += (xr[j] - mean) * (xr[j] - mean);
+    // Row sums in lanes (Note [lane sums] in fast_math.h).
+    const float mean = detail::lane_sum(xr, c) * inv_c;
+    const float v = detail::lane_sum_of(c, [xr, mean](std::int64_t j) { return (xr[j] - mean) * (xr[j] - mean); });
     const float rstd = 1.f / std::sqrt(v * inv_c + eps);
     mp[r] = mean;
     rp[r] = rstd;
@@ -84,14 +83,10 @@ Tensor layer_norm_compute(const Tensor& x, const Tensor& weight, const Tensor& b
             }
             if (gxp == nullptr) continue;
             // dxhat = g * w; dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-            float s1 = 0, s2 = 0;
-            for (std::int64_t j = 0; j < c; ++j) {
-              const float dxh = w != nullptr ? gr[j] * w[j] : gr[j];
-              s1 += dxh;
-              s2 += dxh * (xr[j] - mean) * rstd;
-            }
-            s1 *= inv_c;
-            s2 *= inv_c;
+            auto dxhat = [gr, w](std::int64_t j) { return w != nullptr ? gr[j] * w[j] : gr[j]; };
+            const float s1 = detail::lane_sum_of(c, dxhat) * inv_c;
+            const float s2 =
+                detail::lane_sum_of(c, [&](std::int64_t j) { return dxhat(j) * (xr[j] - mean) * rstd; }) * inv_c;
             float* __restrict gxr = gxp + r * c;
             for (std::int64_t j = 0; j < c; ++j) {
               const float dxh = w != nullptr ? gr[j] * w[j] : gr[j];
