@@ -422,7 +422,8 @@ absl::Status TcpProcessGroup::execute(const CollectiveCall& call) {
   }
   absl::Status st = runner.run(streams);
   if (!st.ok()) {
-    // Did this rank abort (abort() / a waiter's deadline shut the sockets)? Then report that origin.
+    // Did this rank's group fail (abort() / a waiter's deadline shut the sockets)? Then that failure is the cause:
+    // name this call first (comm_loop words it like every call that finds its group failed).
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!failure_.ok()) {
