@@ -89,9 +89,8 @@ Tensor layer_norm_compute(const Tensor& x, const Tensor& weight, const Tensor& b
                 detail::lane_sum_of(c, [&](std::int64_t j) { return dxhat(j) * (xr[j] - mean) * rstd; }) * inv_c;
             float* __restrict gxr = gxp + r * c;
             for (std::int64_t j = 0; j < c; ++j) {
-              const float dxh = w != nullptr ? gr[j] * w[j] : gr[j];
               const float xh = (xr[j] - mean) * rstd;
-              gxr[j] = rstd * (dxh - s1 - xh * s2);
+              gxr[j] = rstd * (dxhat(j) - s1 - xh * s2);
             }
           }
           return {gx, gw, gb};

@@ -168,17 +168,29 @@ TEST(TcpProcessGroup, AbortFailsPendingAndLaterCallsWithTheReason) {
   });
 }
 
+// Two ranks over small_chunks(): rank 0 runs `rank0`; rank 1 connects and never calls, and leaves once rank 0's
+// part has returned (also when an assertion ended it early).
+void run_with_silent_rank1(const std::function<void(std::shared_ptr<TcpProcessGroup>&)>& rank0) {
+  std::atomic<bool> rank0_done{false};
+  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
+    if (r == 1) {
+      while (!rank0_done.load()) std::this_thread::yield();
+      return;
+    }
+    struct Done {
+      std::atomic<bool>& flag;
+      ~Done() { flag = true; }
+    } done{rank0_done};
+    rank0(pg);
+  });
+}
+
 TEST(TcpProcessGroup, DestroyingTheGroupWhileACallIsBetweenQueueAndStartIsPrompt) {
   // Rank 0's comm thread holds its all_reduce between taking it off the queue and starting it until the
   // destructor has begun; rank 1 never issues the call. The destructor must fail the call and return at once
   // instead of waiting for the call's deadline.
   std::promise<void> held;
-  std::atomic<bool> rank0_done{false};
-  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
-    if (r == 1) {
-      while (!rank0_done.load()) std::this_thread::yield();  // connected, never calls
-      return;
-    }
+  run_with_silent_rank1([&](std::shared_ptr<TcpProcessGroup>& pg) {
     pg->set_testing_after_dequeue([&](const std::function<void()>& wait_for_destruction) {
       held.set_value();
       wait_for_destruction();
@@ -192,7 +204,6 @@ TEST(TcpProcessGroup, DestroyingTheGroupWhileACallIsBetweenQueueAndStartIsPrompt
     absl::Status st = work->wait(absl::Seconds(1));
     EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
     EXPECT_THAT(std::string(st.message()), HasSubstr("destroyed"));
-    rank0_done = true;
   });
 }
 
@@ -201,12 +212,7 @@ TEST(TcpProcessGroup, DestroyingTheGroupWhileACallIsBetweenQueueAndStartIsPrompt
 TEST(TcpProcessGroup, ACallWhoseDeadlinePassesAfterItsGroupFailedNamesItselfFirst) {
   // Rank 0's comm thread holds its first call between queue and start; rank 1 never calls. Call #0's deadline
   // (1 s) fails the group, then call #1's (2 s) passes while the comm thread still holds #0.
-  std::atomic<bool> rank0_done{false};
-  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
-    if (r == 1) {
-      while (!rank0_done.load()) std::this_thread::yield();  // connected, never calls
-      return;
-    }
+  run_with_silent_rank1([&](std::shared_ptr<TcpProcessGroup>& pg) {
     pg->set_testing_after_dequeue([](const std::function<void()>& wait_for_destruction) { wait_for_destruction(); });
     Tensor a = Tensor::full({10}, 1, {}), b = Tensor::full({10}, 1, {});
     std::shared_ptr<Work> first = pg->all_reduce(a, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(1)));
@@ -217,19 +223,13 @@ TEST(TcpProcessGroup, ACallWhoseDeadlinePassesAfterItsGroupFailedNamesItselfFirs
     EXPECT_THAT(std::string(second_st.message()), ::testing::StartsWith("all_reduce #1")) << second_st;
     EXPECT_THAT(std::string(second_st.message()), HasSubstr("all_reduce #0")) << second_st;  // the cause
     pg.reset();  // releases the held comm thread
-    rank0_done = true;
   });
 }
 
 TEST(TcpProcessGroup, ACallRunningWhenALaterCallsDeadlineFailsTheGroupNamesItselfFirst) {
   // Rank 1 never calls. Rank 0's call #0 (30 s) waits for it on the wire when call #1's deadline (1 s) fails the
   // group and shuts the connections: #0's error must name #0, with #1's failure as the cause.
-  std::atomic<bool> rank0_done{false};
-  run_tcp_ranks(2, small_chunks(), [&](int r, std::shared_ptr<TcpProcessGroup>& pg) {
-    if (r == 1) {
-      while (!rank0_done.load()) std::this_thread::yield();
-      return;
-    }
+  run_with_silent_rank1([&](std::shared_ptr<TcpProcessGroup>& pg) {
     Tensor a = Tensor::full({10}, 1, {}), b = Tensor::full({10}, 1, {});
     std::shared_ptr<Work> first = pg->all_reduce(a, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(30)));
     std::shared_ptr<Work> second = pg->all_reduce(b, tcp_testing::ar_opts(ReduceOp::sum(), absl::Seconds(1)));
@@ -238,7 +238,6 @@ TEST(TcpProcessGroup, ACallRunningWhenALaterCallsDeadlineFailsTheGroupNamesItsel
     EXPECT_THAT(std::string(second_st.message()), ::testing::StartsWith("all_reduce #1")) << second_st;
     EXPECT_THAT(std::string(first_st.message()), ::testing::StartsWith("all_reduce #0")) << first_st;
     EXPECT_THAT(std::string(first_st.message()), HasSubstr("all_reduce #1")) << first_st;
-    rank0_done = true;
   });
 }
 
