@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/base/copy_bytes.h"
 #include "common/nn/deferred_init.h"
 #include "common/tensor/storage.h"
 
@@ -20,7 +21,7 @@ Shape local_shape_of(const Shape& global, std::int64_t local_rows) {
 
 // Copies `rows` rows of `row_numel` f32 elements.
 void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t row_numel) {
-  if (rows > 0 && row_numel > 0) std::memcpy(dst, src, static_cast<std::size_t>(rows * row_numel) * sizeof(float));
+  if (rows > 0 && row_numel > 0) copy_bytes(dst, src, static_cast<std::size_t>(rows * row_numel) * sizeof(float));
 }
 
 // Copies `rows` rows of `row_numel` elements of dtype `src_dtype` at `src` into f32 `dst`.

@@ -1,7 +1,6 @@
 #include "common/comm/in_process_group.h"
 
 #include <atomic>
-#include <cstring>
 #include <deque>
 #include <map>
 #include <thread>
@@ -12,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/base/check.h"
+#include "common/base/copy_bytes.h"
 #include "common/comm/completion_work.h"
 #include "common/comm/reduce_kernels.h"
 
@@ -364,7 +364,7 @@ void InProcessGroup::data_phase(const CollectiveCall& call) {
       if (e == b) return;
       const char* src = g.desc[call.root].in + b * es;
       for (int s = 0; s < n; ++s) {
-        if (s != call.root) std::memcpy(g.desc[s].in + b * es, src, static_cast<std::size_t>(e - b) * es);
+        if (s != call.root) copy_bytes(g.desc[s].in + b * es, src, static_cast<std::size_t>(e - b) * es);
       }
       return;
     }
@@ -402,7 +402,7 @@ void InProcessGroup::data_phase(const CollectiveCall& call) {
       const char* src = g.desc[me_].in;
       for (int s = 0; s < n; ++s) {
         char* dst = g.desc[s].out + me_ * bytes;
-        if (dst != src) std::memcpy(dst, src, bytes);
+        if (dst != src) copy_bytes(dst, src, bytes);
       }
       return;
     }
@@ -546,7 +546,7 @@ std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {
     return work;
   }
   // Copy under the lock (Note [in-process p2p]).
-  if (send_t.nbytes() > 0) std::memcpy(recv_t.raw_data(), send_t.raw_data(), send_t.nbytes());
+  copy_bytes(recv_t.raw_data(), send_t.raw_data(), send_t.nbytes());
   peer_entry.work->complete(absl::OkStatus());
   work->complete(absl::OkStatus());
   return work;

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "common/base/check.h"
+#include "common/base/copy_bytes.h"
 
 namespace shardkit::comm {
 namespace {
@@ -56,7 +57,7 @@ void sum2_f(float* __restrict acc, const T* __restrict a, const T* __restrict b,
 template <typename T>
 void store_f(T* __restrict dst, const float* __restrict acc, std::int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, acc, static_cast<std::size_t>(n) * sizeof(float));
+    copy_bytes(dst, acc, static_cast<std::size_t>(n) * sizeof(float));
   } else {
     for (std::int64_t i = 0; i < n; ++i) store(dst, i, acc[i]);
   }

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/base/copy_bytes.h"
 
 namespace shardkit::comm {
 
@@ -342,8 +343,8 @@ absl::StatusOr<std::size_t> ShmPair::try_send(const void* data, std::size_t n) {
   if (k == 0) return std::size_t{0};
   const std::size_t at = static_cast<std::size_t>(head % out_cap_);
   const std::size_t first = std::min(k, out_cap_ - at);
-  std::memcpy(out_data_ + at, bytes, first);
-  if (k > first) std::memcpy(out_data_, bytes + first, k - first);
+  copy_bytes(out_data_ + at, bytes, first);  // Note [copy alignment]: the ring position moves with every call
+  if (k > first) copy_bytes(out_data_, bytes + first, k - first);
   out_->head.store(head + k, std::memory_order_release);
   ring_doorbell(*peer_);
   return k;
@@ -430,7 +431,7 @@ absl::StatusOr<std::size_t> ShmPair::try_recv(void* data, std::size_t n) {
   std::size_t done = 0;
   if (bounce_left() > 0) {  // what peek read and no one consumed comes first
     done = std::min(n, bounce_left());
-    std::memcpy(dst, bounce_.get() + bounce_off_, done);
+    copy_bytes(dst, bounce_.get() + bounce_off_, done);
     consume(done);
   }
   bool freed = false;
@@ -450,7 +451,7 @@ absl::StatusOr<std::size_t> ShmPair::try_recv(void* data, std::size_t n) {
       return p.status();
     }
     if (p->second == 0) break;
-    std::memcpy(dst + done, p->first, p->second);
+    copy_bytes(dst + done, p->first, p->second);
     in_->tail.store(in_->tail.load(std::memory_order_relaxed) + p->second, std::memory_order_release);
     done += p->second;
     freed = true;

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/copy_bytes.h"
 #include "common/comm/tcp_reduce.h"
 
 namespace shardkit::comm {
@@ -107,7 +108,7 @@ static void stream_copy(char* dst, const char* src, std::size_t n) {
   std::memcpy(dst + i, src + i, n - i);
   _mm_sfence();
 #else
-  std::memcpy(dst, src, n);
+  copy_bytes(dst, src, n);
 #endif
 }
 
@@ -115,7 +116,7 @@ void StreamRunner::copy_into_place(char* dst, const char* src, std::size_t bytes
   if (streaming_copies) {
     stream_copy(dst, src, bytes);
   } else {
-    std::memcpy(dst, src, bytes);
+    copy_bytes(dst, src, bytes);
   }
 }
 
@@ -334,7 +335,7 @@ absl::StatusOr<std::size_t> StreamRunner::reduce_from_peek(const StreamRecv& c, 
       const char* src = p->first;
       if (reinterpret_cast<std::uintptr_t>(src) % elem != 0) {
         // Misaligned in the ring (Note [shm stream alignment]): copy first; scratch holds a whole chunk.
-        std::memcpy(scratch, src, whole);
+        copy_bytes(scratch, src, whole);
         src = scratch;
       }
       tcp_reduce::combine(out + roff, c.dst + roff, src, whole / elem, dtype, kind, div);

@@ -1,12 +1,14 @@
 #include "common/tensor/tensor.h"
 
 #include <bit>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/copy_bytes.h"
 #include "common/tensor/rank_context.h"
 #include "common/tensor/trace_hook.h"
 
@@ -124,7 +126,13 @@ void ConvertFrom(const Src* s, void* dst, DType dst_dtype, std::int64_t n) {
 void convert_elements(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::int64_t n) {
   if (n == 0) return;
   if (src_dtype == dst_dtype) {
-    if (src != dst) std::memmove(dst, src, static_cast<std::size_t>(n) * dtype_size(src_dtype));
+    const std::size_t bytes = static_cast<std::size_t>(n) * dtype_size(src_dtype);
+    const auto s = reinterpret_cast<std::uintptr_t>(src), d = reinterpret_cast<std::uintptr_t>(dst);
+    if (s + bytes <= d || d + bytes <= s) {
+      copy_bytes(dst, src, bytes);  // Note [copy alignment] in common/base/copy_bytes.cc
+    } else if (src != dst) {
+      std::memmove(dst, src, bytes);
+    }
     return;
   }
   switch (src_dtype) {

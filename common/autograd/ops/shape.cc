@@ -1,9 +1,9 @@
 #include "common/autograd/ops/shape.h"
 
-#include <cstring>
 #include <numeric>
 
 #include "common/autograd/ops/op_utils.h"
+#include "common/base/copy_bytes.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -74,7 +74,7 @@ void PlaceAlong(const Tensor& x, const Tensor& out, std::int64_t d, std::int64_t
   float* dst = out.data<float>();
   const std::int64_t chunk = xs.mid * xs.inner;
   for (std::int64_t o = 0; o < xs.outer; ++o) {
-    std::memcpy(dst + (o * os.mid + at) * os.inner, src + o * chunk, static_cast<std::size_t>(chunk) * sizeof(float));
+    copy_bytes(dst + (o * os.mid + at) * os.inner, src + o * chunk, static_cast<std::size_t>(chunk) * sizeof(float));
   }
 }
 
@@ -86,7 +86,7 @@ void TakeAlong(const Tensor& x, const Tensor& out, std::int64_t d, std::int64_t 
   float* dst = out.data<float>();
   const std::int64_t chunk = os.mid * os.inner;
   for (std::int64_t o = 0; o < os.outer; ++o) {
-    std::memcpy(dst + o * chunk, src + (o * xs.mid + at) * xs.inner, static_cast<std::size_t>(chunk) * sizeof(float));
+    copy_bytes(dst + o * chunk, src + (o * xs.mid + at) * xs.inner, static_cast<std::size_t>(chunk) * sizeof(float));
   }
 }
 
