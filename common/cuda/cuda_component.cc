@@ -4,6 +4,7 @@
 
 #include "common/comm/nccl_process_group.h"
 #include "common/kernels/cuda/cuda_kernels.h"
+#include "common/optim/cuda/cuda_optim_kernels.h"
 #include "common/tensor/device_memory.h"
 
 namespace shardkit {
@@ -12,6 +13,7 @@ namespace {
 constexpr detail::CudaMemoryOps kMemory{
     .allocate = &detail::cuda_impl::cuda_allocate,
     .free = &detail::cuda_impl::cuda_free,
+    .zero = &detail::cuda_impl::cuda_zero,
     .device_count = &detail::cuda_impl::cuda_device_count,
 };
 
@@ -33,6 +35,9 @@ constexpr kernels::cuda::CudaKernelOps kKernels{
     .copy_bytes = &kc::copy_bytes,
 };
 
+namespace oc = optim::cuda::cuda_impl;
+constexpr optim::cuda::CudaOptimOps kOptim{.adam_step = &oc::adam_step, .sgd_step = &oc::sgd_step};
+
 constexpr comm::NcclBackendOps kNccl{.create_group = &comm::cuda_impl::create_nccl_group};
 
 // The one write of each registry (Note [cuda component]): this object's constructor runs during static
@@ -41,6 +46,7 @@ struct Registration {
   Registration() {
     detail::register_cuda_memory(&kMemory);
     kernels::cuda::register_cuda_kernels(&kKernels);
+    optim::cuda::register_cuda_optim_kernels(&kOptim);
     comm::register_nccl_backend(&kNccl);
   }
 };

@@ -1,6 +1,8 @@
 #include "common/optim/adam.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/optim/cuda/cuda_optim_kernels.h"
+#include "common/optim/device_update_batches.h"
 #include "common/optim/fused_kernels.h"
 
 namespace shardkit::optim {
@@ -31,6 +33,26 @@ void AdamBase::update(const HyperParams& h, const Tensor& weights, const Tensor&
   fused::adam_step(weights.data<float>(), master ? param.raw_data() : nullptr, param.dtype(), grad.raw_data(),
                    grad.dtype(), state.tensors.at(kExpAvg).data<float>(), state.tensors.at(kExpAvgSq).data<float>(),
                    param.numel(), fused::adam_coeffs(h, state.step, decoupled_));
+}
+
+void AdamBase::update_on_device(const HyperParams& h, Device device, absl::Span<const DeviceUpdate> updates) {
+  std::vector<std::pair<DtypePair, std::vector<cuda::AdamTensor>>> batches;
+  for (const DeviceUpdate& u : updates) {
+    const bool master = !u.weights.is_same(u.param);
+    const fused::AdamCoeffs c = fused::adam_coeffs(h, u.state->step, decoupled_);
+    add_to_batch(batches, {u.param.dtype(), u.grad.dtype()},
+                 cuda::AdamTensor{.w = u.weights.data<float>(),
+                                  .param_out = master ? u.param.raw_data() : nullptr,
+                                  .grad = u.grad.raw_data(),
+                                  .m = u.state->tensors.at(kExpAvg).data<float>(),
+                                  .v = u.state->tensors.at(kExpAvgSq).data<float>(),
+                                  .n = u.param.numel(),
+                                  .step_size = c.step_size,
+                                  .inv_sqrt_bc2 = c.inv_sqrt_bc2});
+  }
+  // Everything but step_size and inv_sqrt_bc2 (per tensor, above) is the same for every step count.
+  const fused::AdamCoeffs shared = fused::adam_coeffs(h, 1, decoupled_);
+  for (const auto& [dtypes, tensors] : batches) cuda::adam_step(device, dtypes.param, dtypes.grad, tensors, shared);
 }
 
 Adam::Adam(std::vector<Tensor> params, HyperParams hyper) : AdamBase("Adam", hyper, false) {

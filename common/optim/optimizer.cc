@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/kernels/elementwise.h"
 #include "common/optim/state_dict_validation.h"
 #include "common/tensor/rank_context.h"
 #include "common/tensor/trace_hook.h"
@@ -50,8 +51,28 @@ const ParamState* Optimizer::state(std::int64_t index) const {
 }
 
 Tensor Optimizer::zeros_state(const Tensor& like) {
-  return Tensor::zeros(like.shape(), TensorOptions{}.with_category(MemoryCategory::optimizer_state));
+  TensorOptions options = TensorOptions{}.with_category(MemoryCategory::optimizer_state);
+  options.device = like.device();
+  return Tensor::zeros(like.shape(), options);
 }
+
+void Optimizer::update_on_device(const HyperParams& h, Device device, absl::Span<const DeviceUpdate> updates) {
+  SK_CHECK(false) << name_ << " has no kernels for " << device.str() << " (add_param_group refuses its parameters)";
+}
+
+namespace {
+
+// An fp32 copy of a bf16/f16 parameter, on its device: its master weights.
+Tensor master_of(const Tensor& p) {
+  if (p.device().is_cpu()) return p.to(DType::f32, MemoryCategory::optimizer_state);
+  TensorOptions options = TensorOptions{}.with_category(MemoryCategory::optimizer_state);
+  options.device = p.device();
+  Tensor master = Tensor::empty(p.shape(), options);
+  kernels::cast(p, master);
+  return master;
+}
+
+}  // namespace
 
 absl::Status Optimizer::check_group(const ParamGroup& group, std::size_t group_index) const {
   if (absl::Status s = validate_hyper(group.hyper); !s.ok()) {
@@ -69,10 +90,9 @@ absl::Status Optimizer::check_group(const ParamGroup& group, std::size_t group_i
       return absl::InvalidArgumentError(
           absl::StrCat(where, "expected a floating-point tensor, found ", p.describe()));
     }
-    if (!p.device().is_cpu()) {
+    if (!p.device().is_cpu() && !has_device_kernels()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, "expected a CPU tensor (CUDA optimizer kernels are not written yet), found ",
-                       p.describe()));
+          absl::StrCat(where, "expected a CPU tensor (", name_, " has no CUDA kernels), found ", p.describe()));
     }
     if (!seen.insert(p.id()).second) {
       return absl::InvalidArgumentError(
@@ -98,6 +118,11 @@ absl::Status Optimizer::check_step() const {
     }
     for (std::size_t j = 0; j < group.params.size(); ++j) {
       const Tensor& p = group.params[j];
+      if (!p.device().is_cpu() && trace::active_tracer() != nullptr) {
+        return absl::UnimplementedError(absl::StrCat(
+            name_, " step: param group ", g, ", parameter ", j, ": a captured step (common/capture) runs on the CPU "
+            "only, found ", p.describe()));
+      }
       if (!p.storage_released()) continue;
       return absl::FailedPreconditionError(absl::StrCat(
           name_, " step: param group ", g, ", parameter ", j, ": expected a parameter with live storage, found ", p.describe(),
@@ -117,26 +142,37 @@ absl::Status Optimizer::step() {
   const bool dry_run = tracer != nullptr && tracer->dry_run();
   std::size_t index = 0;
   std::size_t group_index = 0;
+  // A group's parameters on CUDA devices, updated together after the loop over the group (update_on_device).
+  std::vector<std::pair<Device, std::vector<DeviceUpdate>>> on_devices;
   for (const ParamGroup& group : groups_) {
+    on_devices.clear();
     for (const Tensor& p : group.params) {
       std::optional<ParamState>& slot = states_[index++];
       const Tensor grad = p.grad();
       if (!grad.defined()) continue;
       SK_CHECK_EQ(grad.numel(), p.numel()) << name_ << ": grad " << grad.describe() << " for " << p.describe();
-      SK_CHECK(grad.device().is_cpu() && p.device().is_cpu()) << name_ << ": CPU only; " << p.describe();
+      SK_CHECK(grad.device() == p.device()) << name_ << ": grad " << grad.describe() << " for " << p.describe();
       if (!slot.has_value()) {
         slot.emplace();
-        if (needs_master(p.dtype())) slot->tensors[kMaster] = p.to(DType::f32, MemoryCategory::optimizer_state);
+        if (needs_master(p.dtype())) slot->tensors[kMaster] = master_of(p);
         init_state(group.hyper, p, *slot);
       }
       ParamState& st = *slot;
       const Tensor weights = needs_master(p.dtype()) ? st.tensors.at(kMaster) : p;
+      if (!p.device().is_cpu()) {  // not traced: check_step refuses CUDA parameters under a tracer
+        ++st.step;
+        auto it = std::find_if(on_devices.begin(), on_devices.end(), [&](const auto& d) { return d.first == p.device(); });
+        if (it == on_devices.end()) it = on_devices.insert(on_devices.end(), {p.device(), {}});
+        it->second.push_back(DeviceUpdate{weights, p, grad, &st});
+        continue;
+      }
       if (!dry_run) {
         ++st.step;
         update(group.hyper, weights, p, grad, st);
       }
       trace_update(group_index, index - 1, weights, p, grad, st);
     }
+    for (const auto& [device, updates] : on_devices) update_on_device(group.hyper, device, updates);
     ++group_index;
   }
   return absl::OkStatus();
@@ -210,7 +246,12 @@ void Optimizer::sync_master_from_params() {
       std::optional<ParamState>& slot = states_[index++];
       if (!slot.has_value()) continue;
       auto it = slot->tensors.find(kMaster);
-      if (it != slot->tensors.end()) it->second.copy_(p);
+      if (it == slot->tensors.end()) continue;
+      if (p.device().is_cpu()) {
+        it->second.copy_(p);
+      } else {
+        kernels::cast(p, it->second);
+      }
     }
   }
 }

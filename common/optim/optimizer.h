@@ -12,7 +12,10 @@
 // released (typically: the optimizer was built from model.parameters() before fsdp::fully_shard, which
 // releases the tensors it takes over); both are checked before anything is updated, so an error steps nothing.
 // A grad whose element count differs from its parameter's is a broken invariant (InternalError).
-// Parameters and grads must be CPU tensors (CUDA kernels are not written yet).
+// Parameters live on the CPU or, for SGD / Adam / AdamW (has_device_kernels), on a CUDA device: step() then
+// updates each device's parameters of a group in one fused multi-tensor launch per (parameter, gradient) dtype
+// pair, on the calling thread's stream, and returns without waiting for it. A grad lives on its parameter's
+// device. On CUDA, state_dict / load_state_dict are not supported yet (they read state on the host).
 //
 // Note [training step contract]
 // Every strategy's training loop is the same three lines, on the object that owns the step: the plain
@@ -61,6 +64,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/optim/param_group.h"
 #include "common/optim/state_dict.h"
 
@@ -83,8 +87,8 @@ class Optimizer {
   // contract]).
   void zero_grad(bool set_to_none = true);
 
-  // Appends a group. InvalidArgument (and no change) if a parameter is undefined, not floating point, not
-  // on the CPU, already in a group (of this optimizer, or twice in `group`), or if a hyper-parameter is out
+  // Appends a group. InvalidArgument (and no change) if a parameter is undefined, not floating point, on
+  // a CUDA device when the optimizer has no device kernels, already in a group (of this optimizer, or twice in `group`), or if a hyper-parameter is out
   // of range ("expected lr >= 0, found -1"). An empty group is allowed (an OSS rank may own nothing of it).
   absl::Status add_param_group(ParamGroup group);
   // Same with this optimizer's default hyper-parameters.
@@ -148,7 +152,21 @@ class Optimizer {
   virtual void update(const HyperParams& h, const Tensor& weights, const Tensor& param, const Tensor& grad,
                       ParamState& state) = 0;
 
-  // Helper for subclasses: a zero fp32 tensor shaped like `like`, charged to optimizer_state.
+  // Parameters on a CUDA device (issue 14). An optimizer that returns true here updates them in
+  // update_on_device; add_param_group refuses CUDA parameters for one that does not.
+  virtual bool has_device_kernels() const { return false; }
+  // One parameter of a batched update: update()'s arguments.
+  struct DeviceUpdate {
+    Tensor weights, param, grad;
+    ParamState* state = nullptr;
+  };
+  // Updates parameters that all live on `device` (a CUDA device), each as update() would, in as few kernel
+  // launches as the optimizer can (Note [multi-tensor launches] in multi_tensor_plan.h). Each state.step has
+  // already been incremented. Launched on the calling thread's stream, not waited for. Called only when
+  // has_device_kernels().
+  virtual void update_on_device(const HyperParams& h, Device device, absl::Span<const DeviceUpdate> updates);
+
+  // Helper for subclasses: a zero fp32 tensor shaped like `like`, on its device, charged to optimizer_state.
   static Tensor zeros_state(const Tensor& like);
 
  private:

@@ -1,6 +1,8 @@
 #include "common/optim/sgd.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/optim/cuda/cuda_optim_kernels.h"
+#include "common/optim/device_update_batches.h"
 #include "common/optim/fused_kernels.h"
 
 namespace shardkit::optim {
@@ -46,6 +48,35 @@ void Sgd::update(const HyperParams& h, const Tensor& weights, const Tensor& para
   const bool master = !weights.is_same(param);
   fused::sgd_step(weights.data<float>(), master ? param.raw_data() : nullptr, param.dtype(), grad.raw_data(),
                   grad.dtype(), buf, param.numel(), fused::sgd_coeffs(h, first));
+}
+
+void Sgd::update_on_device(const HyperParams& h, Device device, absl::Span<const DeviceUpdate> updates) {
+  std::vector<std::pair<DtypePair, std::vector<cuda::SgdTensor>>> batches;
+  for (const DeviceUpdate& u : updates) {
+    float* buf = nullptr;
+    bool first = false;
+    if (h.momentum != 0.0) {
+      auto it = u.state->tensors.find(kMomentumBuffer);
+      if (it == u.state->tensors.end()) {
+        it = u.state->tensors.emplace(kMomentumBuffer, zeros_state(u.param)).first;
+        first = true;
+      }
+      buf = it->second.data<float>();
+    }
+    const bool master = !u.weights.is_same(u.param);
+    const fused::SgdCoeffs c = fused::sgd_coeffs(h, first);
+    add_to_batch(batches, {u.param.dtype(), u.grad.dtype()},
+                 cuda::SgdTensor{.w = u.weights.data<float>(),
+                                 .param_out = master ? u.param.raw_data() : nullptr,
+                                 .grad = u.grad.raw_data(),
+                                 .buf = buf,
+                                 .n = u.param.numel(),
+                                 .keep = c.keep,
+                                 .take = c.take});
+  }
+  // Everything but keep and take (per tensor, above: a new buffer takes the gradient as is) is shared.
+  const fused::SgdCoeffs shared = fused::sgd_coeffs(h, false);
+  for (const auto& [dtypes, tensors] : batches) cuda::sgd_step(device, dtypes.param, dtypes.grad, tensors, shared);
 }
 
 }  // namespace shardkit::optim

@@ -38,6 +38,8 @@ class Sgd final : public Optimizer {
   void init_state(const HyperParams& h, const Tensor& param, ParamState& state) const override {}
   void update(const HyperParams& h, const Tensor& weights, const Tensor& param, const Tensor& grad,
               ParamState& state) override;
+  bool has_device_kernels() const override { return true; }
+  void update_on_device(const HyperParams& h, Device device, absl::Span<const DeviceUpdate> updates) override;
 };
 
 }  // namespace shardkit::optim

@@ -33,6 +33,12 @@ void cuda_free(Device device, void* ptr) noexcept {
   if (const CudaMemoryOps* ops = g_cuda_memory.get()) ops->free(device, ptr);
 }
 
+void cuda_zero(Device device, void* ptr, std::size_t nbytes) {
+  const CudaMemoryOps* ops = g_cuda_memory.get();
+  SK_CHECK(ops != nullptr) << "cannot zero memory on " << device.str() << ": " << cuda_unavailable_reason();
+  ops->zero(device, ptr, nbytes);
+}
+
 int cuda_device_count() noexcept {
   const CudaMemoryOps* ops = g_cuda_memory.get();
   return ops != nullptr ? ops->device_count() : 0;

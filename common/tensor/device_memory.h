@@ -15,6 +15,8 @@ namespace shardkit::detail {
 // program has no CUDA implementation.
 void* cuda_allocate(Device device, std::size_t nbytes);
 void cuda_free(Device device, void* ptr) noexcept;
+// Sets nbytes at ptr (memory from cuda_allocate on `device`) to zero and waits for it (Tensor::zeros).
+void cuda_zero(Device device, void* ptr, std::size_t nbytes);
 // Number of CUDA devices visible at run time (0 without the CUDA component or without a GPU).
 int cuda_device_count() noexcept;
 
@@ -26,6 +28,7 @@ std::string cuda_unavailable_reason();
 struct CudaMemoryOps {
   decltype(&detail::cuda_allocate) allocate;
   decltype(&detail::cuda_free) free;
+  decltype(&detail::cuda_zero) zero;
   decltype(&detail::cuda_device_count) device_count;
 };
 
@@ -37,6 +40,7 @@ void register_cuda_memory(const CudaMemoryOps* ops);
 namespace cuda_impl {
 decltype(detail::cuda_allocate) cuda_allocate;
 decltype(detail::cuda_free) cuda_free;
+decltype(detail::cuda_zero) cuda_zero;
 decltype(detail::cuda_device_count) cuda_device_count;
 }  // namespace cuda_impl
 

@@ -23,6 +23,18 @@ void cuda_free(Device device, void* ptr) noexcept {
   cudaFree(ptr);
 }
 
+void cuda_zero(Device device, void* ptr, std::size_t nbytes) {
+  SK_CHECK(device.is_cuda());
+  cudaError_t err = cudaSetDevice(device.index);
+  SK_CHECK(err == cudaSuccess) << "cannot use " << device.str() << ": cudaSetDevice: " << cudaGetErrorString(err);
+  // On the calling thread's stream, like the kernels (cuda_kernels.h), then waited for: the bytes are zero when
+  // this returns, whichever stream reads them next.
+  err = cudaMemsetAsync(ptr, 0, nbytes, cudaStreamPerThread);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamPerThread);
+  SK_CHECK(err == cudaSuccess) << "cudaMemsetAsync(" << nbytes << " bytes on " << device.str()
+                               << "): " << cudaGetErrorString(err);
+}
+
 int cuda_device_count() noexcept {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/base/copy_bytes.h"
+#include "common/tensor/device_memory.h"
 #include "common/tensor/rank_context.h"
 #include "common/tensor/trace_hook.h"
 
@@ -154,7 +155,12 @@ Tensor Tensor::empty(const Shape& shape, const TensorOptions& options) {
 
 Tensor Tensor::zeros(const Shape& shape, const TensorOptions& options) {
   Tensor t = empty(shape, options);
-  if (t.device().is_cpu() && t.nbytes() > 0) std::memset(t.raw_data(), 0, t.nbytes());
+  if (t.nbytes() == 0) return t;
+  if (t.device().is_cpu()) {
+    std::memset(t.raw_data(), 0, t.nbytes());
+  } else {
+    detail::cuda_zero(t.device(), t.raw_data(), t.nbytes());
+  }
   return t;
 }
 
@@ -243,6 +249,13 @@ std::vector<float> Tensor::to_vector() const {
   std::vector<float> out(static_cast<std::size_t>(numel()));
   convert_elements(raw_data(), dtype(), out.data(), DType::f32, numel());
   return out;
+}
+
+const Tensor& Tensor::zero_() const {
+  if (device().is_cpu()) return fill_(0.0);
+  if (trace::Tracer* t = trace::active_tracer()) t->on_untraced_write(*this, "Tensor::zero_");
+  if (nbytes() > 0) detail::cuda_zero(device(), raw_data(), nbytes());  // all-zero bytes are +0 in every dtype
+  return *this;
 }
 
 const Tensor& Tensor::fill_(double value) const {

@@ -81,7 +81,7 @@ class Tensor {
 
   // ---- creation ------------------------------------------------------------------------------
   static Tensor empty(const Shape& shape, const TensorOptions& options = {});
-  static Tensor zeros(const Shape& shape, const TensorOptions& options = {});
+  static Tensor zeros(const Shape& shape, const TensorOptions& options = {});  // on any device
   static Tensor full(const Shape& shape, double value, const TensorOptions& options = {});
   // Values are rounded to the dtype (round to nearest even for bf16/f16).
   static Tensor from_vector(const std::vector<float>& values, const Shape& shape, const TensorOptions& options = {});
@@ -120,7 +120,7 @@ class Tensor {
   // ---- in-place and copies (CPU) -------------------------------------------------------------
   // These write the elements, not the handle, so they are const like every handle method.
   const Tensor& fill_(double value) const;
-  const Tensor& zero_() const { return fill_(0.0); }
+  const Tensor& zero_() const;  // on any device (fill_ is CPU only)
   // Copies src's elements into this tensor (same numel), converting dtype.
   const Tensor& copy_(const Tensor& src) const;
   // A new tensor with this one's values in `dtype` (charged like any new tensor).

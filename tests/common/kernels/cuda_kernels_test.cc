@@ -53,6 +53,23 @@ TEST(CudaKernelsTest, CublasLoadsWithoutADevice) {
 #endif
 }
 
+// Tensor::zeros and zero_ on a device: the bytes are zero (cudaMalloc's are not), in every dtype.
+TEST(CudaKernelsTest, TensorZerosAndZeroOnADeviceAreZero) {
+  SK_REQUIRE_CUDA_DEVICE();
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    for (std::int64_t n : TestSizes()) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " n=" << n);
+      // A first tensor filled with ones and freed, so the next allocation likely reuses non-zero memory.
+      { fill(Tensor::empty({n}, OnGpu(DType::f32)), 1.0f); }
+      const Tensor z = Tensor::zeros({n}, OnGpu(dtype));
+      EXPECT_EQ(max_abs(ToCpu(z, DType::f32)), 0.0);
+      const Tensor g = ToGpu(Tensor::full({n}, 3.0, TensorOptions{}.with_dtype(dtype)));
+      g.zero_();
+      EXPECT_EQ(max_abs(ToCpu(g, DType::f32)), 0.0);
+    }
+  }
+}
+
 TEST(CudaKernelsTest, ElementwiseMatchesCpu) {
   SK_REQUIRE_CUDA_DEVICE();
   std::uint64_t seed = 1;
