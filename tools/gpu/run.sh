@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine, from the pack tools/gpu/pack.sh made: the CUDA tests (every test whose name says
+# Cuda / Nccl; without a GPU they skip, here they must pass) and optim_bench_cuda. Results go to $OUT (the device
+# tool brings them back): one file per binary, summary.txt with each exit status, and the machine's description.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out"
+# PyTorch's pip packages hold NCCL, cuBLAS and the rest under site-packages/nvidia/<name>/lib.
+nv=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]) + "/nvidia")' 2>/dev/null || true)
+libs="$here/lib"
+for d in "$nv"/*/lib; do [[ -d "$d" ]] && libs="$libs:$d"; done
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+{
+  nvidia-smi
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  ls "$nv" 2>/dev/null
+  for b in "$here"/bin/*; do echo "== ldd $(basename "$b")"; ldd "$b" | grep -E 'not found|nccl|cublas|cudart'; done
+} > "$out/machine.txt" 2>&1
+: > "$out/summary.txt"
+for t in tensor_test kernels_test optim_test comm_nccl_test; do
+  timeout 300 "$here/bin/$t" --gtest_filter='*Cuda*:*cuda*:*Nccl*' > "$out/$t.txt" 2>&1
+  rc=$?
+  echo "$t exit $rc: $(grep -E '^\[  (PASSED  |FAILED  |SKIPPED )\] [0-9]+ test' "$out/$t.txt" | tr '\n' ' ')" >> "$out/summary.txt"
+done
+timeout 300 "$here/bin/optim_bench_cuda" > "$out/optim_bench_cuda.txt" 2>&1
+echo "optim_bench_cuda exit $?" >> "$out/summary.txt"
+cat "$out/summary.txt"
+grep -hE '^\[  FAILED  \]|^BM_' "$out"/*.txt | head -60
