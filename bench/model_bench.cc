@@ -15,6 +15,7 @@
 #include <chrono>
 #include <string>
 
+#include "bench/blas_context.h"
 #include "benchmark/benchmark.h"
 #include "common/autograd/engine.h"
 #include "common/autograd/ops/gemm_timing.h"

@@ -32,6 +32,7 @@
 
 #include <string>
 
+#include "bench/blas_context.h"
 #include "bench/train_step.h"
 #include "common/comm/testing/run_ranks.h"
 

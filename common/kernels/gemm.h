@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 #include "common/tensor/tensor.h"
 
@@ -17,6 +19,21 @@ namespace shardkit::kernels {
 // thread count is process-wide; set_blas_single_threaded() sets it to 1 once per process (idempotent,
 // std::call_once) and gemm() calls it on first use, so callers never need to.
 void set_blas_single_threaded();
+
+// Note [BLAS kernel choice]
+// OpenBLAS picks its GEMM kernels for the CPU when it is loaded, and a release older than the CPU does not know
+// it: Debian 12's OpenBLAS 0.3.21 runs its AVX2 "Haswell" kernels on AMD Zen 5 (family 26), which has AVX-512.
+// Forced to its AVX-512 kernels (OPENBLAS_CORETYPE=SkylakeX in the environment before the process starts; it
+// cannot be changed once the library is loaded), GEMM went from 78 to 140 GFLOP/s there and model_bench's
+// gpt-10m step from 1.08k to 1.86k tokens/s (`OPENBLAS_CORETYPE=SkylakeX build/bench/model_bench
+// --benchmark_filter=gpt-10m`). The library does not set it (environment variables are the user's), but says it:
+// blas_kernel_advice() returns the sentence shardkit-train prints at start and the benchmarks record.
+// The name of the kernel set the CPU BLAS chose ("Haswell", "SkylakeX", ...; openblas_get_corename()).
+std::string blas_core_name();
+// Whether this CPU has the AVX-512 subsets OpenBLAS's SkylakeX kernels use (F, BW, DQ, VL, CD).
+bool cpu_runs_avx512_blas();
+// What to tell the user, "" when nothing: a kernel set without AVX-512 on a CPU that has it. A pure function.
+std::string blas_kernel_advice(std::string_view core_name, bool cpu_has_avx512);
 
 // C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C, row-major, fp32, on the CPU (cblas_sgemm).
 // op(A) = A (A stored m x k, lda >= k) or A^T (A stored k x m, lda >= m); likewise B (k x n or n x k).

@@ -21,6 +21,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/kernels/gemm.h"
 #include "tools/shardkit_train/checkpoint.h"
 #include "tools/shardkit_train/corpus.h"
 #include "tools/shardkit_train/model_files.h"
@@ -130,12 +131,19 @@ int main(int argc, char** argv) {
     log.emplace(std::move(*l));
   }
   const bool tty = ::isatty(1) == 1;
+  // Note [BLAS kernel choice] in common/kernels/gemm.h: said once, under the first run header.
+  const std::string blas_note = shardkit::kernels::blas_kernel_advice(shardkit::kernels::blas_core_name(),
+                                                                      shardkit::kernels::cpu_runs_avx512_blas());
+  auto print_blas_note = [&] {
+    if (!blas_note.empty()) std::printf("  note: %s\n", blas_note.c_str());
+  };
   const st::StepObserver progress = is_rank0 ? make_observer(tty, o.steps, log ? &*log : nullptr) : st::StepObserver();
 
   if (o.compare) {
     std::vector<st::RunResult> results;
     for (st::Strategy s : st::available_strategies()) {
       std::printf("%s", st::run_header(o, s, *model, *corpus, o.ranks, "threads").c_str());
+      if (results.empty()) print_blas_note();
       auto r = st::run_threads(o, s, *corpus, nullptr, progress, init ? &*init : nullptr);
       if (!r.ok()) return fail(r.status());
       results.push_back(std::move(*r));
@@ -150,6 +158,7 @@ int main(int argc, char** argv) {
     std::printf("%s", st::run_header(o, o.strategy, *model, *corpus, o.ranks, st::backend_label(o.backend, under_launcher)).c_str());
     if (resume) std::printf("  resuming from %s at step %s\n", st::checkpoint_path(o.checkpoint_dir).c_str(), resume->meta["step"].c_str());
     if (init) std::printf("  initialised from %s (GPT-2 names)\n", o.init_from.c_str());
+    print_blas_note();
     std::fflush(stdout);
   }
   std::optional<st::RunResult> result;

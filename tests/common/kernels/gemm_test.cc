@@ -219,5 +219,17 @@ TEST(MatmulTest, ShapeErrorsNameTheShapes) {
   EXPECT_THROW(matmul(a.to(DType::bf16), Tensor::zeros({3, 5}), out), InternalError);
 }
 
+// Note [BLAS kernel choice]: advice only when the chosen kernels lack AVX-512 and the CPU has it.
+TEST(BlasKernelAdvice, OnlyForKernelsWithoutAvx512OnACpuWithIt) {
+  EXPECT_THAT(blas_kernel_advice("Haswell", true), ::testing::HasSubstr("OPENBLAS_CORETYPE=SkylakeX"));
+  EXPECT_THAT(blas_kernel_advice("Zen", true), ::testing::HasSubstr("runs its Zen kernels"));
+  EXPECT_EQ(blas_kernel_advice("Haswell", false), "");
+  EXPECT_EQ(blas_kernel_advice("SkylakeX", true), "");
+  EXPECT_EQ(blas_kernel_advice("cooperlake", true), "");
+  EXPECT_EQ(blas_kernel_advice("", true), "");
+  // This process's BLAS names its kernels.
+  EXPECT_FALSE(blas_core_name().empty());
+}
+
 }  // namespace
 }  // namespace shardkit::kernels
