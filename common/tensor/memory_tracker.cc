@@ -26,24 +26,51 @@ std::string MemorySnapshot::to_string() const {
                           memory_category_name(static_cast<MemoryCategory>(i)), current[i], peak[i]);
   }
   absl::StrAppendFormat(&out, "%-21s current=%d peak=%d\n", "total", total_current, total_peak);
+  const MemoryFigures& d = at(MemoryLocation::device);
+  for (int i = 0; i < kNumMemoryCategories; ++i) {
+    if (d.peak[i] == 0) continue;
+    absl::StrAppendFormat(&out, "device %-14s current=%d peak=%d\n",
+                          memory_category_name(static_cast<MemoryCategory>(i)), d.current[i], d.peak[i]);
+  }
   return out;
 }
 
-void MemoryTracker::charge(MemoryCategory c, std::int64_t bytes) {
-  const int i = static_cast<int>(c);
-  std::lock_guard<std::mutex> lock(mu_);
-  s_.current[i] += bytes;
-  s_.peak[i] = std::max(s_.peak[i], s_.current[i]);
-  s_.total_current += bytes;
-  s_.total_peak = std::max(s_.total_peak, s_.total_current);
+namespace {
+
+void Add(MemoryFigures& f, int i, std::int64_t bytes) {
+  f.current[i] += bytes;
+  f.peak[i] = std::max(f.peak[i], f.current[i]);
+  f.total_current += bytes;
+  f.total_peak = std::max(f.total_peak, f.total_current);
 }
 
-void MemoryTracker::credit(MemoryCategory c, std::int64_t bytes) {
+void Subtract(MemoryFigures& f, int i, std::int64_t bytes) {
+  f.current[i] -= bytes;
+  f.total_current -= bytes;
+}
+
+void RestartPeaks(MemoryFigures& f) {
+  f.peak = f.current;
+  f.total_peak = f.total_current;
+}
+
+}  // namespace
+
+void MemoryTracker::charge(MemoryCategory c, std::int64_t bytes, MemoryLocation where) {
   const int i = static_cast<int>(c);
   std::lock_guard<std::mutex> lock(mu_);
-  SK_CHECK_GE(s_.current[i], bytes) << "credit of more " << memory_category_name(c) << " bytes than charged";
-  s_.current[i] -= bytes;
-  s_.total_current -= bytes;
+  Add(s_, i, bytes);
+  Add(s_.by_location[static_cast<int>(where)], i, bytes);
+}
+
+void MemoryTracker::credit(MemoryCategory c, std::int64_t bytes, MemoryLocation where) {
+  const int i = static_cast<int>(c);
+  std::lock_guard<std::mutex> lock(mu_);
+  MemoryFigures& at = s_.by_location[static_cast<int>(where)];
+  SK_CHECK_GE(at.current[i], bytes) << "credit of more " << memory_category_name(c) << " bytes than charged"
+                                    << (where == MemoryLocation::device ? " on the device" : " on the host");
+  Subtract(s_, i, bytes);
+  Subtract(at, i, bytes);
 }
 
 std::int64_t MemoryTracker::current(MemoryCategory c) const {
@@ -68,8 +95,8 @@ MemorySnapshot MemoryTracker::snapshot() const {
 }
 void MemoryTracker::reset_peaks() {
   std::lock_guard<std::mutex> lock(mu_);
-  s_.peak = s_.current;
-  s_.total_peak = s_.total_current;
+  RestartPeaks(s_);
+  for (MemoryFigures& f : s_.by_location) RestartPeaks(f);
 }
 
 }  // namespace shardkit

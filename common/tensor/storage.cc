@@ -48,7 +48,7 @@ void Storage::allocate_bytes() {
   } else {
     data_ = detail::cuda_allocate(device_, nbytes_);
   }
-  tracker_->charge(category_, static_cast<std::int64_t>(nbytes_));
+  tracker_->charge(category_, static_cast<std::int64_t>(nbytes_), location());
 }
 
 void Storage::release() {
@@ -63,7 +63,7 @@ void Storage::release() {
     detail::cuda_free(device_, data_);
   }
   data_ = nullptr;
-  tracker_->credit(category_, static_cast<std::int64_t>(nbytes_));
+  tracker_->credit(category_, static_cast<std::int64_t>(nbytes_), location());
 }
 
 void Storage::reallocate() {
@@ -75,8 +75,8 @@ void Storage::reallocate() {
 void Storage::recategorize(MemoryCategory category) {
   if (category == category_) return;
   if (data_ != nullptr && !borrowed_) {
-    tracker_->credit(category_, static_cast<std::int64_t>(nbytes_));
-    tracker_->charge(category, static_cast<std::int64_t>(nbytes_));
+    tracker_->credit(category_, static_cast<std::int64_t>(nbytes_), location());
+    tracker_->charge(category, static_cast<std::int64_t>(nbytes_), location());
   }
   category_ = category;
 }

@@ -39,6 +39,8 @@ class Storage {
   void* data() const { return data_; }
   std::size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
+  // Where the memory tracker counts these bytes.
+  MemoryLocation location() const { return device_.is_cpu() ? MemoryLocation::host : MemoryLocation::device; }
   MemoryCategory category() const { return category_; }
   bool released() const { return data_ == nullptr && nbytes_ > 0; }
   bool borrowed() const { return borrowed_; }

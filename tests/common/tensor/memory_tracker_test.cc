@@ -103,5 +103,44 @@ TEST(MemoryTrackerTest, SnapshotPrintsEveryCategory) {
   EXPECT_NE(s.find("total"), std::string::npos);
 }
 
+// Each location keeps its own figures and its own peaks; the base figures are both together.
+TEST(MemoryTrackerTest, HostAndDeviceBytesAreKeptApart) {
+  MemoryTracker m;
+  m.charge(MemoryCategory::parameter, 100, MemoryLocation::device);
+  m.charge(MemoryCategory::parameter, 30);  // host
+  m.charge(MemoryCategory::optimizer_state, 800, MemoryLocation::host);
+  m.credit(MemoryCategory::optimizer_state, 800, MemoryLocation::host);
+  m.charge(MemoryCategory::gradient, 50, MemoryLocation::device);
+  const MemorySnapshot s = m.snapshot();
+  const MemoryFigures& host = s.at(MemoryLocation::host);
+  const MemoryFigures& device = s.at(MemoryLocation::device);
+  EXPECT_EQ(device.current_of(MemoryCategory::parameter), 100);
+  EXPECT_EQ(host.current_of(MemoryCategory::parameter), 30);
+  EXPECT_EQ(s.current_of(MemoryCategory::parameter), 130);
+  EXPECT_EQ(device.total_current, 150);
+  EXPECT_EQ(device.total_peak, 150);
+  EXPECT_EQ(host.total_current, 30);
+  EXPECT_EQ(host.total_peak, 830);  // the optimizer state's moment, before the device's gradient
+  EXPECT_EQ(s.total_peak, 930);     // both together at that moment
+  EXPECT_EQ(s.total_current, 180);
+  EXPECT_EQ(device.peak_of(MemoryCategory::optimizer_state), 0);
+  EXPECT_NE(s.to_string().find("device parameter      current=100 peak=100"), std::string::npos) << s.to_string();
+  // A credit is checked against its own location: the host never held device gradient bytes.
+  EXPECT_THROW(m.credit(MemoryCategory::gradient, 50, MemoryLocation::host), InternalError);
+  m.reset_peaks();
+  EXPECT_EQ(m.snapshot().at(MemoryLocation::host).total_peak, 30);
+  EXPECT_EQ(m.snapshot().at(MemoryLocation::device).total_peak, 150);
+}
+
+// CPU storage is host memory in the ledger.
+TEST(MemoryTrackerTest, CpuTensorsAreHostBytes) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  Tensor p = Tensor::empty({16}, TensorOptions{}.with_category(MemoryCategory::parameter));
+  const MemorySnapshot s = ctx.memory->snapshot();
+  EXPECT_EQ(s.at(MemoryLocation::host).current_of(MemoryCategory::parameter), 64);
+  EXPECT_EQ(s.at(MemoryLocation::device).total_peak, 0);
+}
+
 }  // namespace
 }  // namespace shardkit
