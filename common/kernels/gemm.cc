@@ -43,7 +43,7 @@ std::string blas_kernel_advice(std::string_view core_name, bool cpu_has_avx512) 
   }
   return "OpenBLAS runs its " + std::string(core_name) +
          " kernels, which do not use this CPU's AVX-512: start the process with OPENBLAS_CORETYPE=SkylakeX in the "
-         "environment for faster GEMM (Zen 5: 78 -> 140 GFLOP/s; Note [BLAS kernel choice] in "
+         "environment for faster GEMM (1.8x on Zen 5; Note [BLAS kernel choice] in "
          "common/kernels/gemm.h)";
 }
 

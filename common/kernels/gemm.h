@@ -24,9 +24,10 @@ void set_blas_single_threaded();
 // OpenBLAS picks its GEMM kernels for the CPU when it is loaded, and a release older than the CPU does not know
 // it: Debian 12's OpenBLAS 0.3.21 runs its AVX2 "Haswell" kernels on AMD Zen 5 (family 26), which has AVX-512.
 // Forced to its AVX-512 kernels (OPENBLAS_CORETYPE=SkylakeX in the environment before the process starts; it
-// cannot be changed once the library is loaded), GEMM went from 78 to 140 GFLOP/s there and model_bench's
-// gpt-10m step from 1.08k to 1.86k tokens/s (`OPENBLAS_CORETYPE=SkylakeX build/bench/model_bench
-// --benchmark_filter=gpt-10m`). The library does not set it (environment variables are the user's), but says it:
+// cannot be changed once the library is loaded), GEMM went from 122 to 222 GFLOP/s there and model_bench's
+// gpt-10m step from 1.69k to 2.91k tokens/s (quiet VM, two runs each, alternated: `OPENBLAS_CORETYPE=SkylakeX
+// build/bench/model_bench --benchmark_filter=gpt-10m` against the same without it; 78 -> 140 GFLOP/s with a
+// build running beside it). The library does not set it (environment variables are the user's), but says it:
 // blas_kernel_advice() returns the sentence shardkit-train prints at start and the benchmarks record.
 // The name of the kernel set the CPU BLAS chose ("Haswell", "SkylakeX", ...; openblas_get_corename()).
 std::string blas_core_name();
