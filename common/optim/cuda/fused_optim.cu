@@ -25,11 +25,11 @@ using kernels::cuda::store_f32;
 constexpr int kThreads = 256;
 
 // A launch's table (Note [multi-tensor launches]): passed by value as the kernel's argument.
-template <typename Tensor, typename Coeffs>
+template <typename Entry, typename Coeffs>
 struct LaunchTable {
   int count = 0;
   std::int64_t first_block[kMaxTensorsPerLaunch + 1] = {};
-  Tensor tensors[kMaxTensorsPerLaunch];
+  Entry tensors[kMaxTensorsPerLaunch];
   Coeffs c;
 };
 static_assert(sizeof(LaunchTable<AdamTensor, fused::AdamCoeffs>) <= 4000, "kernel arguments are limited to 4 KiB");
@@ -126,16 +126,16 @@ void DispatchTypes(DType param_dtype, DType grad_dtype, F&& f) {
   SK_CHECK(false) << "optimizer parameter of dtype " << dtype_name(param_dtype);
 }
 
-// Plans the launches over `tensors` and starts each with kernel<P, G> (chosen by make_kernel).
-template <typename Tensor, typename Coeffs, typename Launch>
-void LaunchAll(Device device, absl::Span<const Tensor> tensors, const Coeffs& c, const char* what, Launch launch) {
+// Plans the launches over `tensors` (Note [multi-tensor launches]) and starts each through `launch`.
+template <typename Entry, typename Coeffs, typename Launch>
+void LaunchAll(Device device, absl::Span<const Entry> tensors, const Coeffs& c, const char* what, Launch launch) {
   std::vector<std::int64_t> numels(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) numels[i] = tensors[i].n;
   const std::vector<MultiTensorLaunch> plan = plan_multi_tensor_launches(numels, kChunkNumel, kMaxTensorsPerLaunch);
   if (plan.empty()) return;
   DeviceGuard guard(device);
   for (const MultiTensorLaunch& l : plan) {
-    LaunchTable<Tensor, Coeffs> table;
+    LaunchTable<Entry, Coeffs> table;
     table.count = static_cast<int>(l.tensors.size());
     table.c = c;
     for (int k = 0; k < table.count; ++k) {
