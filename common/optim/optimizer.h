@@ -87,9 +87,10 @@ class Optimizer {
   // contract]).
   void zero_grad(bool set_to_none = true);
 
-  // Appends a group. InvalidArgument (and no change) if a parameter is undefined, not floating point, on
-  // a CUDA device when the optimizer has no device kernels, already in a group (of this optimizer, or twice in `group`), or if a hyper-parameter is out
-  // of range ("expected lr >= 0, found -1"). An empty group is allowed (an OSS rank may own nothing of it).
+  // Appends a group. InvalidArgument (and no change) if a parameter is undefined, not floating point, on a
+  // CUDA device when the optimizer has no device kernels, already in a group (of this optimizer, or twice in
+  // `group`), or if a hyper-parameter is out of range ("expected lr >= 0, found -1"). An empty group is allowed
+  // (an OSS rank may own nothing of it).
   absl::Status add_param_group(ParamGroup group);
   // Same with this optimizer's default hyper-parameters.
   absl::Status add_param_group(std::vector<Tensor> params) { return add_param_group({std::move(params), defaults_}); }
