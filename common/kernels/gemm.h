@@ -28,7 +28,8 @@ void set_blas_single_threaded();
 // gpt-10m step from 1.69k to 2.91k tokens/s (quiet VM, two runs each, alternated: `OPENBLAS_CORETYPE=SkylakeX
 // build/bench/model_bench --benchmark_filter=gpt-10m` against the same without it; 78 -> 140 GFLOP/s with a
 // build running beside it). The library does not set it (environment variables are the user's), but says it:
-// blas_kernel_advice() returns the sentence shardkit-train prints at start and the benchmarks record.
+// blas_kernel_advice() returns the sentence shardkit-train prints at start and the benchmarks record. Only Zen 5
+// was measured; on other CPUs with AVX-512 that OpenBLAS does not know (Zen 4 with 0.3.21) the sentence is advice.
 // The name of the kernel set the CPU BLAS chose ("Haswell", "SkylakeX", ...; openblas_get_corename()).
 std::string blas_core_name();
 // Whether this CPU has the AVX-512 subsets OpenBLAS's SkylakeX kernels use (F, BW, DQ, VL, CD).
