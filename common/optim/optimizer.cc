@@ -62,9 +62,9 @@ void Optimizer::update_on_device(const HyperParams& h, Device device, absl::Span
 
 namespace {
 
-// An fp32 copy of a bf16/f16 parameter, on its device: its master weights.
+// An fp32 copy of a bf16/f16 parameter, on its device: its master weights (kernels::cast converts on any device;
+// Tensor::to only on the CPU).
 Tensor master_of(const Tensor& p) {
-  if (p.device().is_cpu()) return p.to(DType::f32, MemoryCategory::optimizer_state);
   TensorOptions options = TensorOptions{}.with_category(MemoryCategory::optimizer_state);
   options.device = p.device();
   Tensor master = Tensor::empty(p.shape(), options);

@@ -10,6 +10,7 @@
 #include "common/tensor/device_memory.h"
 #include "common/tensor/tensor.h"
 #include "gtest/gtest.h"
+#include "tests/common/tensor/cuda_test_util.h"
 #include "tests/common/kernels/test_util.h"
 
 namespace shardkit::kernels {
@@ -17,12 +18,6 @@ namespace {
 
 using testing::RandomFloats;
 using testing::TestSizes;
-
-#define SK_REQUIRE_CUDA_DEVICE()                                                                      \
-  if (shardkit::detail::cuda_device_count() == 0) {                                                  \
-    GTEST_SKIP() << "no usable CUDA device (build without CUDA, no GPU, or CUDA driver too old): "  \
-                    "CUDA kernels not exercised";                                                    \
-  }
 
 const Device kGpu = Device::cuda(0);
 
@@ -55,7 +50,7 @@ TEST(CudaKernelsTest, CublasLoadsWithoutADevice) {
 
 // Tensor::zeros and zero_ on a device: the bytes are zero (cudaMalloc's are not), in every dtype.
 TEST(CudaKernelsTest, TensorZerosAndZeroOnADeviceAreZero) {
-  SK_REQUIRE_CUDA_DEVICE();
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
     for (std::int64_t n : TestSizes()) {
       SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " n=" << n);
@@ -71,7 +66,7 @@ TEST(CudaKernelsTest, TensorZerosAndZeroOnADeviceAreZero) {
 }
 
 TEST(CudaKernelsTest, ElementwiseMatchesCpu) {
-  SK_REQUIRE_CUDA_DEVICE();
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
   std::uint64_t seed = 1;
   for (std::int64_t n : TestSizes()) {
     SCOPED_TRACE(::testing::Message() << "n=" << n);
@@ -109,7 +104,7 @@ TEST(CudaKernelsTest, ElementwiseMatchesCpu) {
 }
 
 TEST(CudaKernelsTest, ReductionsMatchCpu) {
-  SK_REQUIRE_CUDA_DEVICE();
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
   std::uint64_t seed = 10;
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
     for (std::int64_t n : TestSizes()) {
@@ -137,7 +132,7 @@ TEST(CudaKernelsTest, ReductionsMatchCpu) {
 }
 
 TEST(CudaKernelsTest, CastsMatchCpuForEveryPair) {
-  SK_REQUIRE_CUDA_DEVICE();
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
   const std::int64_t n = (std::int64_t{1} << 20) + 3;
   std::vector<float> v = RandomFloats(n, 77, -70000.f, 70000.f);  // includes f16 overflow
   for (DType from : {DType::f32, DType::bf16, DType::f16, DType::i64}) {
@@ -159,7 +154,7 @@ TEST(CudaKernelsTest, CastsMatchCpuForEveryPair) {
 }
 
 TEST(CudaKernelsTest, MatmulMatchesCpuForEveryTranspose) {
-  SK_REQUIRE_CUDA_DEVICE();
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
   const std::int64_t m = 33, n = 17, k = 65;
   for (bool ta : {false, true}) {
     for (bool tb : {false, true}) {

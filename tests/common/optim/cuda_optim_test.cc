@@ -15,15 +15,11 @@
 #include "common/tensor/device_memory.h"
 #include "common/tensor/random.h"
 #include "gtest/gtest.h"
+#include "tests/common/tensor/cuda_test_util.h"
 
 namespace shardkit::optim {
 namespace {
 
-#define SK_REQUIRE_CUDA_DEVICE()                                                                      \
-  if (shardkit::detail::cuda_device_count() == 0) {                                                  \
-    GTEST_SKIP() << "no usable CUDA device (build without CUDA, no GPU, or CUDA driver too old): "  \
-                    "CUDA optimizers not exercised";                                                 \
-  }
 
 const Device kGpu = Device::cuda(0);
 
@@ -79,7 +75,7 @@ std::vector<std::int64_t> Sizes() {
 }
 
 TEST_P(CudaOptimizerTest, StepsEqualTheCpuOptimizer) {
-  SK_REQUIRE_CUDA_DEVICE();
+  SK_REQUIRE_CUDA_DEVICE("CUDA optimizers");
   const Case c = GetParam();
   const std::vector<std::int64_t> sizes = Sizes();
   std::vector<Tensor> cpu, gpu;
@@ -152,7 +148,7 @@ INSTANTIATE_TEST_SUITE_P(AllPairs, CudaOptimizerTest, ::testing::ValuesIn(Cases(
 
 // A grad on another device than its parameter is a broken invariant (InternalError), as a grad of another size is.
 TEST(CudaOptimizerRefusals, GradOnAnotherDeviceIsABrokenInvariant) {
-  SK_REQUIRE_CUDA_DEVICE();
+  SK_REQUIRE_CUDA_DEVICE("CUDA optimizers");
   Tensor p = ToDevice(Tensor::full({4}, 1.0), kGpu);
   p.set_grad(Tensor::full({4}, 1.0));  // on the CPU
   AdamW opt({p});
