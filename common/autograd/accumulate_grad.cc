@@ -6,7 +6,7 @@
 namespace shardkit::autograd {
 
 AccumulateGrad::AccumulateGrad(Tensor variable) : variable_(std::move(variable)) {
-  add_output(variable_.shape(), variable_.dtype());
+  add_output(variable_.shape(), variable_.dtype(), variable_.device());
 }
 
 TensorList AccumulateGrad::apply(TensorList&& grads) {
@@ -29,7 +29,7 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
       o.device = variable_.device();
       o.category = MemoryCategory::gradient;
       Tensor fresh = Tensor::empty(variable_.shape(), o);
-      fresh.copy_(g);
+      detail::copy_into(fresh, g);
       variable_.set_grad(fresh);
     }
   } else {

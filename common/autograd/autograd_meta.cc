@@ -68,7 +68,7 @@ void set_history(const Tensor& out, const std::shared_ptr<Node>& node) {
   SK_CHECK(m.grad_fn == nullptr) << "set_history on a tensor that already has a grad_fn (" << m.grad_fn->name()
                                  << "): " << out.describe();
   m.grad_fn = node;
-  m.output_nr = node->add_output(out.shape(), out.dtype());
+  m.output_nr = node->add_output(out.shape(), out.dtype(), out.device());
   out.set_requires_grad(true);
   if (m.hooks) node->set_output_hooks(m.output_nr, m.hooks);
 }

@@ -10,6 +10,7 @@
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/grad_accumulation.h"
 #include "common/autograd/grad_mode.h"
+#include "common/kernels/elementwise.h"
 #include "common/tensor/trace_hook.h"
 
 namespace shardkit::autograd {
@@ -177,8 +178,14 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
                                          r.describe(), "; pass the gradient w.r.t. the root"));
       }
       trace::OpTraceScope scope;
-      g = detail::new_activation(r.shape(), r.dtype());
-      g.fill_(1.0);
+      g = detail::new_activation(r.shape(), r.dtype(), r.device());
+      if (g.device().is_cuda()) {
+        SK_CHECK(g.dtype() == DType::f32) << "backward: a CUDA root of dtype " << dtype_name(g.dtype())
+                                          << " needs an explicit gradient";
+        kernels::fill(g, 1.f);
+      } else {
+        g.fill_(1.0);
+      }
       if (scope.tracing()) trace_fill(scope, "ones", g, 1.0);
     } else if (g.shape() != r.shape()) {
       throw AutogradError(absl::StrCat("backward: expected a gradient of shape ", shape_str(r.shape()),
@@ -256,7 +263,8 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
       for (int i = 0; i < n->num_outputs(); ++i) {
         Tensor& g = in[static_cast<std::size_t>(i)];
         if (!g.defined()) {
-          g = detail::zeros_activation(n->output_shape(i), n->output_dtype(i));
+          g = detail::zeros_activation(n->output_shape(i), n->output_dtype(i),
+                                       n->output_device(i));
           trace::OpTraceScope scope;
           if (scope.tracing()) trace_fill(scope, "zeros", g, 0.0);
         }

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "common/kernels/elementwise.h"
 #include "common/tensor/rank_context.h"
 
 namespace shardkit::autograd::detail {
@@ -16,7 +17,19 @@ bool is_exclusive(const Tensor& t) {
 
 void add_into(const Tensor& dst, const Tensor& src) {
   SK_CHECK_EQ(dst.numel(), src.numel()) << "adding gradient " << src.describe() << " into " << dst.describe();
+  SK_CHECK(dst.device() == src.device()) << "adding gradient " << src.describe() << " into " << dst.describe();
   const std::int64_t n = dst.numel();
+  if (dst.device().is_cuda()) {
+    // fp32 arithmetic on the device: other dtypes go through fp32 temporaries.
+    if (dst.dtype() == DType::f32 && src.dtype() == DType::f32) return kernels::add(dst, src, dst);
+    Tensor a = new_activation(dst.shape(), DType::f32, dst.device());
+    Tensor b = new_activation(dst.shape(), DType::f32, dst.device());
+    kernels::cast(dst, a);
+    kernels::cast(src, b);
+    kernels::add(a, b, a);
+    kernels::cast(a, dst);
+    return;
+  }
   if (dst.dtype() == DType::f32 && src.dtype() == DType::f32) {
     float* __restrict d = dst.data<float>();
     const float* __restrict s = src.data<float>();
@@ -40,8 +53,8 @@ Tensor sum_gradients(Tensor a, Tensor b) {
     add_into(b, a);
     return Tensor::over(b.storage(), 0, a.shape(), b.dtype());
   }
-  Tensor out = new_activation(a.shape(), a.dtype());
-  out.copy_(a);
+  Tensor out = new_activation(a.shape(), a.dtype(), a.device());
+  copy_into(out, a);
   add_into(out, b);
   return out;
 }
@@ -63,18 +76,28 @@ MemoryCategory activation_category() {
   return c == MemoryCategory::other ? MemoryCategory::activation : c;
 }
 
-Tensor new_activation(const Shape& shape, DType dtype) {
+Tensor new_activation(const Shape& shape, DType dtype, Device device) {
   TensorOptions o;
   o.dtype = dtype;
+  o.device = device;
   o.category = activation_category();
   return Tensor::empty(shape, o);
 }
 
-Tensor zeros_activation(const Shape& shape, DType dtype) {
+Tensor zeros_activation(const Shape& shape, DType dtype, Device device) {
   TensorOptions o;
   o.dtype = dtype;
+  o.device = device;
   o.category = activation_category();
   return Tensor::zeros(shape, o);
+}
+
+void copy_into(const Tensor& dst, const Tensor& src) {
+  if (dst.device().is_cpu() && src.device().is_cpu()) {
+    dst.copy_(src);  // keeps Tensor::copy_'s trace check
+    return;
+  }
+  kernels::cast(src, dst);
 }
 
 }  // namespace shardkit::autograd::detail

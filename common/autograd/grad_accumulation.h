@@ -14,7 +14,7 @@ namespace shardkit::autograd::detail {
 // True when `t` is the only reference to its bytes (see the note).
 bool is_exclusive(const Tensor& t);
 
-// dst += src elementwise (same numel); any float dtypes, fp32 arithmetic.
+// dst += src elementwise (same numel, same device); any float dtypes, fp32 arithmetic.
 void add_into(const Tensor& dst, const Tensor& src);
 
 // Returns a + b, reusing a's or b's buffer when exclusive (the inputs are consumed).
@@ -28,10 +28,12 @@ Tensor run_tensor_hooks(const TensorHookList& hooks, Tensor grad, const Shape& e
 // MemoryCategoryScope; only the thread's default category ("other") is mapped to activation. A leaf's
 // .grad is always charged to MemoryCategory::gradient.
 MemoryCategory activation_category();
-MemoryCategory activation_category();
 
-// A new tensor for an op's result or a backward temporary, charged to activation_category().
-Tensor new_activation(const Shape& shape, DType dtype = DType::f32);
-Tensor zeros_activation(const Shape& shape, DType dtype = DType::f32);
+// A new tensor for an op's result or a backward temporary, on `device`, charged to activation_category().
+Tensor new_activation(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor zeros_activation(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+
+// dst = src converted to dst's dtype, for tensors on any devices (kernels::cast).
+void copy_into(const Tensor& dst, const Tensor& src);
 
 }  // namespace shardkit::autograd::detail

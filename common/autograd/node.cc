@@ -16,9 +16,10 @@ void Node::release() {
   released_ = true;
 }
 
-int Node::add_output(const Shape& shape, DType dtype) {
+int Node::add_output(const Shape& shape, DType dtype, Device device) {
   output_shapes_.push_back(shape);
   output_dtypes_.push_back(dtype);
+  output_devices_.push_back(device);
   output_hooks_.emplace_back();
   return static_cast<int>(output_shapes_.size()) - 1;
 }

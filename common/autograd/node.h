@@ -75,11 +75,12 @@ class Node {
   const std::vector<Edge>& next_edges() const { return next_edges_; }
   void set_next_edges(std::vector<Edge> edges) { next_edges_ = std::move(edges); }
 
-  // Forward outputs: shape and dtype of each, recorded by set_history (used to make zero gradients).
+  // Forward outputs: shape, dtype and device of each, recorded by set_history (used to make zero gradients).
   int num_outputs() const { return static_cast<int>(output_shapes_.size()); }
-  int add_output(const Shape& shape, DType dtype);
+  int add_output(const Shape& shape, DType dtype, Device device = Device::cpu());
   const Shape& output_shape(int i) const { return output_shapes_.at(static_cast<std::size_t>(i)); }
   DType output_dtype(int i) const { return output_dtypes_.at(static_cast<std::size_t>(i)); }
+  Device output_device(int i) const { return output_devices_.at(static_cast<std::size_t>(i)); }
 
   // Hooks on the gradient w.r.t. forward output i (shared with that tensor's AutogradMeta).
   const std::shared_ptr<TensorHookList>& output_hooks(int i) const;
@@ -95,6 +96,7 @@ class Node {
   std::vector<Edge> next_edges_;
   std::vector<Shape> output_shapes_;
   std::vector<DType> output_dtypes_;
+  std::vector<Device> output_devices_;
   std::vector<std::shared_ptr<TensorHookList>> output_hooks_;
 };
 

@@ -33,6 +33,20 @@ constexpr kernels::cuda::CudaKernelOps kKernels{
     .fill = &kc::fill,
     .cast = &kc::cast,
     .copy_bytes = &kc::copy_bytes,
+    .broadcast_rows = &kc::broadcast_rows,
+    .sum_rows = &kc::sum_rows,
+    .gelu = &kc::gelu,
+    .gelu_backward = &kc::gelu_backward,
+    .layer_norm = &kc::layer_norm,
+    .layer_norm_backward = &kc::layer_norm_backward,
+    .causal_softmax = &kc::causal_softmax,
+    .causal_softmax_backward = &kc::causal_softmax_backward,
+    .gemm_strided_batched = &kc::gemm_strided_batched,
+    .cross_entropy = &kc::cross_entropy,
+    .cross_entropy_backward = &kc::cross_entropy_backward,
+    .embedding = &kc::embedding,
+    .embedding_backward = &kc::embedding_backward,
+    .copy_2d = &kc::copy_2d,
 };
 
 namespace oc = optim::cuda::cuda_impl;

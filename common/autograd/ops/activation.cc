@@ -6,6 +6,7 @@
 
 #include "common/autograd/ops/fast_math.h"
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 #include "common/tensor/rank_context.h"
 
 namespace shardkit::autograd {
@@ -92,6 +93,22 @@ Tensor GeluExact(const Tensor& x) {
   return out;
 }
 
+// Either GELU form on a CUDA device (Note [ops on devices]).
+Tensor GeluOnDevice(const Tensor& x, bool tanh_approx) {
+  const Device device = x.device();
+  Tensor out = detail::new_activation(x.shape(), DType::f32, device);
+  kernels::cuda::gelu(device, tanh_approx, x.data<float>(), out.data<float>(), x.numel());
+  if (should_record({&x})) {
+    detail::record("GeluBackward", {&x}, {&out}, [x, tanh_approx](TensorList&& g) -> TensorList {
+      Tensor gx = detail::new_activation(x.shape(), DType::f32, x.device());
+      kernels::cuda::gelu_backward(x.device(), tanh_approx, x.data<float>(), g[0].data<float>(), gx.data<float>(),
+                                   x.numel());
+      return {gx};
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 Tensor relu_compute(const Tensor& x) {
@@ -116,7 +133,10 @@ Tensor relu_compute(const Tensor& x) {
 }
 
 Tensor gelu_compute(const Tensor& x, GeluApproximation approximate) {
-  detail::check_f32_cpu("gelu", x);
+  detail::check_f32("gelu", x);
+  SK_CHECK(approximate == GeluApproximation::none || approximate == GeluApproximation::tanh)
+      << "gelu: unknown GeluApproximation " << static_cast<int>(approximate);
+  if (x.device().is_cuda()) return GeluOnDevice(x, approximate == GeluApproximation::tanh);
   switch (approximate) {
     case GeluApproximation::none:
       return GeluExact(x);

@@ -5,6 +5,7 @@
 #include "common/autograd/ops/fast_math.h"
 #include "common/autograd/ops/gemm_timing.h"
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -23,10 +24,70 @@ void CausalSoftmax(float* s, std::int64_t t) {
   }
 }
 
+// Causal attention on a CUDA device (Note [ops on devices]): per batch element, one strided-batched GEMM over the
+// heads for each product, and the causal softmax over all score matrices at once. The scores [B, H, T, T] are
+// materialised and saved for the backward, as on the CPU.
+Tensor AttentionOnDevice(const Tensor& qkv, std::int64_t b_n, std::int64_t t, std::int64_t c, std::int64_t num_heads,
+                         std::int64_t hs, float scale) {
+  namespace kc = kernels::cuda;
+  const Device device = qkv.device();
+  Tensor out = detail::new_activation({b_n, t, c}, DType::f32, device);
+  Tensor att = detail::new_activation({b_n, num_heads, t, t}, DType::f32, device);
+  const float* in = qkv.data<float>();
+  float* y = out.data<float>();
+  float* a = att.data<float>();
+  for (std::int64_t b = 0; b < b_n; ++b) {  // S = scale Q K^T
+    const float* q = in + b * t * 3 * c;
+    kc::gemm_strided_batched(device, false, true, t, t, hs, scale, q, 3 * c, hs, q + c, 3 * c, hs, 0.f,
+                             a + b * num_heads * t * t, t, t * t, num_heads);
+  }
+  kc::causal_softmax(device, a, b_n * num_heads, t);
+  for (std::int64_t b = 0; b < b_n; ++b) {  // Y = P V
+    const float* v = in + b * t * 3 * c + 2 * c;
+    kc::gemm_strided_batched(device, false, false, t, hs, t, 1.f, a + b * num_heads * t * t, t, t * t, v, 3 * c, hs,
+                             0.f, y + b * t * c, c, hs, num_heads);
+  }
+  if (should_record({&qkv})) {
+    detail::record("CausalAttentionBackward", {&qkv}, {&out},
+                   [qkv, att, b_n, t, c, num_heads, hs, scale](TensorList&& g) -> TensorList {
+                     const Device device = qkv.device();
+                     Tensor gqkv = detail::new_activation(qkv.shape(), DType::f32, device);
+                     Tensor ds_t = detail::new_activation({num_heads, t, t}, DType::f32, device);
+                     const float* in = qkv.data<float>();
+                     const float* gy = g[0].data<float>();
+                     const float* a = att.data<float>();
+                     float* gin = gqkv.data<float>();
+                     float* ds = ds_t.data<float>();
+                     for (std::int64_t b = 0; b < b_n; ++b) {
+                       const float* q = in + b * t * 3 * c;
+                       const float* k = q + c;
+                       const float* v = q + 2 * c;
+                       float* dq = gin + b * t * 3 * c;
+                       float* dk = dq + c;
+                       float* dv = dq + 2 * c;
+                       const float* p = a + b * num_heads * t * t;
+                       const float* dy = gy + b * t * c;
+                       // dV = P^T dY; dP = dY V^T; dS = P * (dP - rowsum(P * dP)); dQ = scale dS K; dK = scale dS^T Q
+                       kc::gemm_strided_batched(device, true, false, t, hs, t, 1.f, p, t, t * t, dy, c, hs, 0.f, dv,
+                                                3 * c, hs, num_heads);
+                       kc::gemm_strided_batched(device, false, true, t, t, hs, 1.f, dy, c, hs, v, 3 * c, hs, 0.f, ds,
+                                                t, t * t, num_heads);
+                       kc::causal_softmax_backward(device, p, ds, num_heads, t);
+                       kc::gemm_strided_batched(device, false, false, t, hs, t, scale, ds, t, t * t, k, 3 * c, hs, 0.f,
+                                                dq, 3 * c, hs, num_heads);
+                       kc::gemm_strided_batched(device, true, false, t, hs, t, scale, ds, t, t * t, q, 3 * c, hs, 0.f,
+                                                dk, 3 * c, hs, num_heads);
+                     }
+                     return {gqkv};
+                   });
+  }
+  return out;
+}
+
 }  // namespace
 
 Tensor causal_attention_compute(const Tensor& qkv, std::int64_t num_heads) {
-  detail::check_f32_cpu("causal_attention", qkv);
+  detail::check_f32("causal_attention", qkv);
   SK_CHECK(qkv.dim() == 3 && qkv.size(2) % 3 == 0) << "causal_attention: expected qkv [B, T, 3C], found "
                                                    << qkv.describe();
   const std::int64_t b_n = qkv.size(0), t = qkv.size(1), c = qkv.size(2) / 3;
@@ -34,6 +95,7 @@ Tensor causal_attention_compute(const Tensor& qkv, std::int64_t num_heads) {
                                                 << num_heads << " heads";
   const std::int64_t hs = c / num_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+  if (qkv.device().is_cuda()) return AttentionOnDevice(qkv, b_n, t, c, num_heads, hs, scale);
   Tensor out = detail::new_activation({b_n, t, c});
   Tensor att = detail::new_activation({b_n, num_heads, t, t});
   const float* in = qkv.data<float>();

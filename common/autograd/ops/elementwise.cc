@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -20,6 +21,12 @@ std::int64_t BroadcastRows(const char* op, const Tensor& a, const Tensor& b) {
 
 // Sum of g viewed as [rows, n] over its rows -> [n] with `shape`.
 Tensor SumRows(const Tensor& g, std::int64_t rows, const Shape& shape) {
+  if (g.device().is_cuda()) {
+    Tensor out = detail::new_activation(shape, DType::f32, g.device());
+    kernels::cuda::sum_rows(g.device(), detail::ptr_or_null<float>(g), detail::ptr_or_null<float>(out), rows,
+                            out.numel(), /*accumulate=*/false);
+    return out;
+  }
   Tensor out = detail::zeros_activation(shape);
   const std::int64_t n = out.numel();
   float* __restrict o = out.data<float>();
@@ -31,13 +38,20 @@ Tensor SumRows(const Tensor& g, std::int64_t rows, const Shape& shape) {
   return out;
 }
 
+// out = f(a, b) with b broadcast over a's rows; `row_op` is f's kernel on a CUDA device.
 template <typename F>
-Tensor Binary(const char* op, const Tensor& a, const Tensor& b, F f) {
-  detail::check_f32_cpu(op, a);
-  detail::check_f32_cpu(op, b);
+Tensor Binary(const char* op, kernels::cuda::RowOp row_op, const Tensor& a, const Tensor& b, F f) {
+  detail::check_f32(op, a);
+  detail::check_f32(op, b);
+  detail::check_on(op, b, a.device());
   const std::int64_t rows = BroadcastRows(op, a, b);
   const std::int64_t n = b.numel();
-  Tensor out = detail::new_activation(a.shape());
+  Tensor out = detail::new_activation(a.shape(), DType::f32, a.device());
+  if (a.device().is_cuda()) {
+    kernels::cuda::broadcast_rows(a.device(), row_op, detail::ptr_or_null<float>(a), detail::ptr_or_null<float>(b),
+                                  detail::ptr_or_null<float>(out), rows, n);
+    return out;
+  }
   const float* ap = a.data<float>();
   const float* bp = b.data<float>();
   float* op_ = out.data<float>();
@@ -49,8 +63,16 @@ Tensor Binary(const char* op, const Tensor& a, const Tensor& b, F f) {
   return out;
 }
 
+Tensor Multiply(const Tensor& a, const Tensor& b) {
+  return Binary("mul", kernels::cuda::RowOp::mul, a, b, [](float x, float y) { return x * y; });
+}
+
 Tensor Scaled(const Tensor& g, float s) {
-  Tensor out = detail::new_activation(g.shape());
+  Tensor out = detail::new_activation(g.shape(), DType::f32, g.device());
+  if (g.device().is_cuda()) {
+    kernels::scale(s, g, out);
+    return out;
+  }
   const float* __restrict gp = g.data<float>();
   float* __restrict o = out.data<float>();
   const std::int64_t n = g.numel();
@@ -96,7 +118,7 @@ void PowValues(const float* x, float* y, std::int64_t n, float p) {
 }  // namespace
 
 Tensor add_compute(const Tensor& a, const Tensor& b) {
-  Tensor out = Binary("add", a, b, [](float x, float y) { return x + y; });
+  Tensor out = Binary("add", kernels::cuda::RowOp::add, a, b, [](float x, float y) { return x + y; });
   if (should_record({&a, &b})) {
     const std::int64_t rows = a.numel() / std::max<std::int64_t>(1, b.numel());
     const bool broadcast = a.shape() != b.shape();
@@ -111,7 +133,7 @@ Tensor add_compute(const Tensor& a, const Tensor& b) {
 }
 
 Tensor sub_compute(const Tensor& a, const Tensor& b) {
-  Tensor out = Binary("sub", a, b, [](float x, float y) { return x - y; });
+  Tensor out = Binary("sub", kernels::cuda::RowOp::sub, a, b, [](float x, float y) { return x - y; });
   if (should_record({&a, &b})) {
     const std::int64_t rows = a.numel() / std::max<std::int64_t>(1, b.numel());
     const bool broadcast = a.shape() != b.shape();
@@ -126,7 +148,7 @@ Tensor sub_compute(const Tensor& a, const Tensor& b) {
 }
 
 Tensor mul_compute(const Tensor& a, const Tensor& b) {
-  Tensor out = Binary("mul", a, b, [](float x, float y) { return x * y; });
+  Tensor out = Multiply(a, b);
   if (should_record({&a, &b})) {
     const std::int64_t rows = a.numel() / std::max<std::int64_t>(1, b.numel());
     const bool broadcast = a.shape() != b.shape();
@@ -134,9 +156,9 @@ Tensor mul_compute(const Tensor& a, const Tensor& b) {
                    [a, b, rows, broadcast, need_a = detail::needs_grad(a),
                     need_b = detail::needs_grad(b)](TensorList&& g) -> TensorList {
                      Tensor ga, gb;
-                     if (need_a) ga = Binary("mul", g[0], b, [](float x, float y) { return x * y; });
+                     if (need_a) ga = Multiply(g[0], b);
                      if (need_b) {
-                       Tensor ag = Binary("mul", g[0], a, [](float x, float y) { return x * y; });
+                       Tensor ag = Multiply(g[0], a);
                        gb = broadcast ? SumRows(ag, rows, b.shape()) : ag;
                      }
                      return {ga, gb};
@@ -146,7 +168,7 @@ Tensor mul_compute(const Tensor& a, const Tensor& b) {
 }
 
 Tensor scale_compute(const Tensor& a, float s) {
-  detail::check_f32_cpu("scale", a);
+  detail::check_f32("scale", a);
   Tensor out = Scaled(a, s);
   if (should_record({&a})) {
     detail::record("ScaleBackward", {&a}, {&out}, [s](TensorList&& g) -> TensorList { return {Scaled(g[0], s)}; });

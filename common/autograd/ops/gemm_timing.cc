@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/gemm.h"
 
 namespace shardkit::autograd {
@@ -23,6 +24,15 @@ void timed_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
   tl_stats.seconds += std::chrono::duration<double>(t1 - t0).count();
   tl_stats.flops += 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
 }
+void gemm_on(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+             float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
+             std::int64_t ldc) {
+  if (device.is_cpu()) return timed_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  kernels::cuda::gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  tl_stats.calls += 1;
+  tl_stats.flops += 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+}
+
 }  // namespace detail
 
 }  // namespace shardkit::autograd

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "common/tensor/device.h"
+
 namespace shardkit::autograd {
 
 struct GemmStats {
@@ -25,6 +27,12 @@ namespace detail {
 void timed_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                 const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
                 std::int64_t ldc);
+
+// The same GEMM on the device that holds the pointers: timed_gemm on the CPU, cuBLAS on a CUDA device
+// (asynchronous on the calling thread's stream; calls and flops are counted, its time is not).
+void gemm_on(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+             float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
+             std::int64_t ldc);
 }  // namespace detail
 
 }  // namespace shardkit::autograd

@@ -2,6 +2,7 @@
 
 #include "common/autograd/ops/gemm_timing.h"
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -23,20 +24,20 @@ MatDims Dims(const char* op, const Shape& a, const Shape& b, bool ta, bool tb) {
 
 // For `batches` products of op(A_i) [m, k] and op(B_i) [k, n] stored contiguously:
 //   C_i = op(A_i) op(B_i) (+ C_i when accumulate).
-void Gemms(std::int64_t batches, bool ta, bool tb, MatDims d, const float* a, const float* b, float* c,
-           float beta) {
+void Gemms(Device device, std::int64_t batches, bool ta, bool tb, MatDims d, const float* a, const float* b,
+           float* c, float beta) {
   const std::int64_t lda = ta ? d.m : d.k;
   const std::int64_t ldb = tb ? d.k : d.n;
   for (std::int64_t i = 0; i < batches; ++i) {
-    detail::timed_gemm(ta, tb, d.m, d.n, d.k, 1.f, a + i * d.m * d.k, lda, b + i * d.k * d.n, ldb, beta,
-                       c + i * d.m * d.n, d.n);
+    detail::gemm_on(device, ta, tb, d.m, d.n, d.k, 1.f, a + i * d.m * d.k, lda, b + i * d.k * d.n, ldb, beta,
+                    c + i * d.m * d.n, d.n);
   }
 }
 
 // Gradients of C = op(A) op(B) per batch, written into fresh tensors of A's / B's shapes.
 Tensor GradA(std::int64_t batches, bool ta, bool tb, MatDims d, const Tensor& g, const Tensor& b,
              const Shape& a_shape) {
-  Tensor ga = detail::new_activation(a_shape);
+  Tensor ga = detail::new_activation(a_shape, DType::f32, g.device());
   const float* gp = g.data<float>();
   const float* bp = b.data<float>();
   float* out = ga.data<float>();
@@ -46,9 +47,9 @@ Tensor GradA(std::int64_t batches, bool ta, bool tb, MatDims d, const Tensor& g,
     const float* bi = bp + i * d.k * d.n;
     float* oi = out + i * d.m * d.k;
     if (!ta) {  // dA [m, k] = dC [m, n] op(B)^T
-      detail::timed_gemm(false, !tb, d.m, d.k, d.n, 1.f, gi, d.n, bi, ldb, 0.f, oi, d.k);
+      detail::gemm_on(g.device(), false, !tb, d.m, d.k, d.n, 1.f, gi, d.n, bi, ldb, 0.f, oi, d.k);
     } else {  // A stored [k, m]: dA = op(B) dC^T
-      detail::timed_gemm(tb, true, d.k, d.m, d.n, 1.f, bi, ldb, gi, d.n, 0.f, oi, d.m);
+      detail::gemm_on(g.device(), tb, true, d.k, d.m, d.n, 1.f, bi, ldb, gi, d.n, 0.f, oi, d.m);
     }
   }
   return ga;
@@ -56,7 +57,7 @@ Tensor GradA(std::int64_t batches, bool ta, bool tb, MatDims d, const Tensor& g,
 
 Tensor GradB(std::int64_t batches, bool ta, bool tb, MatDims d, const Tensor& g, const Tensor& a,
              const Shape& b_shape) {
-  Tensor gb = detail::new_activation(b_shape);
+  Tensor gb = detail::new_activation(b_shape, DType::f32, g.device());
   const float* gp = g.data<float>();
   const float* ap = a.data<float>();
   float* out = gb.data<float>();
@@ -66,9 +67,9 @@ Tensor GradB(std::int64_t batches, bool ta, bool tb, MatDims d, const Tensor& g,
     const float* ai = ap + i * d.m * d.k;
     float* oi = out + i * d.k * d.n;
     if (!tb) {  // dB [k, n] = op(A)^T dC
-      detail::timed_gemm(!ta, false, d.k, d.n, d.m, 1.f, ai, lda, gi, d.n, 0.f, oi, d.n);
+      detail::gemm_on(g.device(), !ta, false, d.k, d.n, d.m, 1.f, ai, lda, gi, d.n, 0.f, oi, d.n);
     } else {  // B stored [n, k]: dB = dC^T op(A)
-      detail::timed_gemm(true, ta, d.n, d.k, d.m, 1.f, gi, d.n, ai, lda, 0.f, oi, d.k);
+      detail::gemm_on(g.device(), true, ta, d.n, d.k, d.m, 1.f, gi, d.n, ai, lda, 0.f, oi, d.k);
     }
   }
   return gb;
@@ -76,8 +77,9 @@ Tensor GradB(std::int64_t batches, bool ta, bool tb, MatDims d, const Tensor& g,
 
 Tensor Product(const char* op, const char* node_name, const Tensor& a, const Tensor& b, bool ta, bool tb,
                int rank) {
-  detail::check_f32_cpu(op, a);
-  detail::check_f32_cpu(op, b);
+  detail::check_f32(op, a);
+  detail::check_f32(op, b);
+  detail::check_on(op, b, a.device());
   SK_CHECK(a.dim() == rank && b.dim() == rank) << op << ": expected " << rank << "-d tensors, found a "
                                                << a.describe() << ", b " << b.describe();
   const std::int64_t batches = rank == 3 ? a.size(0) : 1;
@@ -86,8 +88,8 @@ Tensor Product(const char* op, const char* node_name, const Tensor& a, const Ten
   }
   const MatDims d = Dims(op, a.shape(), b.shape(), ta, tb);
   Shape out_shape = rank == 3 ? Shape{batches, d.m, d.n} : Shape{d.m, d.n};
-  Tensor out = detail::new_activation(out_shape);
-  Gemms(batches, ta, tb, d, a.data<float>(), b.data<float>(), out.data<float>(), 0.f);
+  Tensor out = detail::new_activation(out_shape, DType::f32, a.device());
+  Gemms(a.device(), batches, ta, tb, d, a.data<float>(), b.data<float>(), out.data<float>(), 0.f);
   if (should_record({&a, &b})) {
     detail::record(node_name, {&a, &b}, {&out},
                    [a, b, ta, tb, d, batches, need_a = detail::needs_grad(a),
@@ -116,8 +118,10 @@ Tensor bmm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
 }
 
 Tensor linear_compute(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  detail::check_f32_cpu("linear", x);
-  detail::check_f32_cpu("linear", weight);
+  detail::check_f32("linear", x);
+  detail::check_f32("linear", weight);
+  const Device device = x.device();
+  detail::check_on("linear", weight, device);
   SK_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1))
       << "linear: expected x [..., in] and weight [out, in], found x " << x.describe() << ", weight "
       << weight.describe();
@@ -125,42 +129,48 @@ Tensor linear_compute(const Tensor& x, const Tensor& weight, const Tensor& bias)
   const std::int64_t out_f = weight.size(0);
   const std::int64_t rows = in == 0 ? 0 : x.numel() / in;
   if (bias.defined()) {
-    detail::check_f32_cpu("linear", bias);
+    detail::check_f32("linear", bias);
+    detail::check_on("linear", bias, device);
     SK_CHECK(bias.dim() == 1 && bias.size(0) == out_f)
         << "linear: expected bias [" << out_f << "], found " << bias.describe();
   }
   Shape out_shape = x.shape();
   out_shape.back() = out_f;
-  Tensor out = detail::new_activation(out_shape);
+  Tensor out = detail::new_activation(out_shape, DType::f32, device);
   float* y = out.data<float>();
   // Bias first, then the GEMM accumulates onto it (beta = 1): one pass over y.
-  if (bias.defined()) {
+  if (bias.defined() && device.is_cuda()) {
+    kernels::cuda::broadcast_rows(device, kernels::cuda::RowOp::assign, nullptr, bias.data<float>(), y, rows, out_f);
+  } else if (bias.defined()) {
     const float* bp = bias.data<float>();
     for (std::int64_t r = 0; r < rows; ++r) {
       float* __restrict yr = y + r * out_f;
       for (std::int64_t j = 0; j < out_f; ++j) yr[j] = bp[j];
     }
   }
-  detail::timed_gemm(false, true, rows, out_f, in, 1.f, x.data<float>(), in, weight.data<float>(), in,
-                     bias.defined() ? 1.f : 0.f, y, out_f);
+  detail::gemm_on(device, false, true, rows, out_f, in, 1.f, x.data<float>(), in, weight.data<float>(), in,
+                  bias.defined() ? 1.f : 0.f, y, out_f);
   if (should_record({&x, &weight, &bias})) {
     detail::record("LinearBackward", {&x, &weight, &bias}, {&out},
-                   [x, weight, rows, in, out_f, has_bias = bias.defined(), need_x = detail::needs_grad(x),
+                   [x, weight, device, rows, in, out_f, has_bias = bias.defined(), need_x = detail::needs_grad(x),
                     need_w = detail::needs_grad(weight),
                     need_b = detail::needs_grad(bias)](TensorList&& g) -> TensorList {
                      const float* gy = g[0].data<float>();
                      Tensor gx, gw, gb;
                      if (need_x) {  // dx [rows, in] = dy [rows, out] W [out, in]
-                       gx = detail::new_activation(x.shape());
-                       detail::timed_gemm(false, false, rows, in, out_f, 1.f, gy, out_f, weight.data<float>(), in,
-                                          0.f, gx.data<float>(), in);
+                       gx = detail::new_activation(x.shape(), DType::f32, device);
+                       detail::gemm_on(device, false, false, rows, in, out_f, 1.f, gy, out_f, weight.data<float>(),
+                                       in, 0.f, gx.data<float>(), in);
                      }
                      if (need_w) {  // dW [out, in] = dy^T x
-                       gw = detail::new_activation(weight.shape());
-                       detail::timed_gemm(true, false, out_f, in, rows, 1.f, gy, out_f, x.data<float>(), in, 0.f,
-                                          gw.data<float>(), in);
+                       gw = detail::new_activation(weight.shape(), DType::f32, device);
+                       detail::gemm_on(device, true, false, out_f, in, rows, 1.f, gy, out_f, x.data<float>(), in,
+                                       0.f, gw.data<float>(), in);
                      }
-                     if (has_bias && need_b) {
+                     if (has_bias && need_b && device.is_cuda()) {
+                       gb = detail::new_activation({out_f}, DType::f32, device);
+                       kernels::cuda::sum_rows(device, gy, gb.data<float>(), rows, out_f, /*accumulate=*/false);
+                     } else if (has_bias && need_b) {
                        gb = detail::zeros_activation({out_f});
                        float* __restrict o = gb.data<float>();
                        for (std::int64_t r = 0; r < rows; ++r) {

@@ -4,18 +4,52 @@
 
 #include "common/autograd/ops/fast_math.h"
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 
 namespace shardkit::autograd {
+namespace {
+
+// cross_entropy on a CUDA device (Note [ops on devices]): the loss and the number of kept rows stay on the device
+// for the backward; the forward waits for the device to check the targets.
+Tensor CrossEntropyOnDevice(const Tensor& logits, const Tensor& targets, std::int64_t ignore_index,
+                            std::int64_t rows, std::int64_t v) {
+  const Device device = logits.device();
+  Tensor lse_t = detail::new_activation({rows}, DType::f32, device);
+  Tensor count_t = detail::new_activation({1}, DType::f32, device);
+  Tensor out = detail::new_activation({}, DType::f32, device);
+  const std::int64_t bad = kernels::cuda::cross_entropy(
+      device, detail::ptr_or_null<float>(logits), detail::ptr_or_null<std::int64_t>(targets),
+      detail::ptr_or_null<float>(lse_t), out.data<float>(), count_t.data<float>(), rows, v, ignore_index);
+  SK_CHECK(bad < 0) << "cross_entropy: target " << detail::i64_at(targets, bad) << " at position " << bad
+                    << " is outside [0, " << v << ")";
+  if (should_record({&logits})) {
+    detail::record("CrossEntropyBackward", {&logits}, {&out},
+                   [logits, targets, lse_t, count_t, rows, v, ignore_index](TensorList&& g) -> TensorList {
+                     Tensor gx = detail::new_activation(logits.shape(), DType::f32, logits.device());
+                     kernels::cuda::cross_entropy_backward(
+                         logits.device(), detail::ptr_or_null<float>(logits),
+                         detail::ptr_or_null<std::int64_t>(targets), detail::ptr_or_null<float>(lse_t),
+                         g[0].data<float>(), count_t.data<float>(), detail::ptr_or_null<float>(gx), rows, v,
+                         ignore_index);
+                     return {gx};
+                   });
+  }
+  return out;
+}
+
+}  // namespace
 
 Tensor cross_entropy_compute(const Tensor& logits, const Tensor& targets, std::int64_t ignore_index) {
-  detail::check_f32_cpu("cross_entropy", logits);
-  SK_CHECK(targets.defined() && targets.dtype() == DType::i64 && targets.device().is_cpu())
-      << "cross_entropy: expected i64 CPU targets, found " << (targets.defined() ? targets.describe() : "undefined");
+  detail::check_f32("cross_entropy", logits);
+  SK_CHECK(targets.defined() && targets.dtype() == DType::i64 && targets.device() == logits.device())
+      << "cross_entropy: expected i64 targets on " << logits.device().str() << ", found "
+      << (targets.defined() ? targets.describe() : "undefined");
   SK_CHECK_GE(logits.dim(), 1);
   const std::int64_t v = logits.size(-1);
   const std::int64_t rows = v == 0 ? 0 : logits.numel() / v;
   SK_CHECK_EQ(targets.numel(), rows) << "cross_entropy: expected one target per row of logits " << logits.describe()
                                      << ", found targets " << targets.describe();
+  if (logits.device().is_cuda()) return CrossEntropyOnDevice(logits, targets, ignore_index, rows, v);
   const float* x = logits.data<float>();
   const std::int64_t* t = targets.data<std::int64_t>();
   Tensor lse_t = detail::new_activation({rows});

@@ -4,25 +4,62 @@
 
 #include "common/autograd/ops/fast_math.h"
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 
 namespace shardkit::autograd {
 namespace {
 
-void CheckParam(const char* op, const Tensor& p, std::int64_t c, const char* what) {
+void CheckParam(const char* op, const Tensor& p, std::int64_t c, const char* what, Device device = Device::cpu()) {
   if (!p.defined()) return;
-  detail::check_f32_cpu(op, p);
+  if (device.is_cpu()) {
+    detail::check_f32_cpu(op, p);
+  } else {
+    detail::check_f32(op, p);
+    detail::check_on(op, p, device);
+  }
   SK_CHECK(p.dim() == 1 && p.size(0) == c) << op << ": expected " << what << " [" << c << "], found " << p.describe();
+}
+
+// layer_norm on a CUDA device (Note [ops on devices]); arguments checked by the caller.
+Tensor LayerNormOnDevice(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, std::int64_t rows,
+                         std::int64_t c) {
+  const Device device = x.device();
+  Tensor out = detail::new_activation(x.shape(), DType::f32, device);
+  Tensor mean_t = detail::new_activation({rows}, DType::f32, device);
+  Tensor rstd_t = detail::new_activation({rows}, DType::f32, device);
+  kernels::cuda::layer_norm(device, x.data<float>(), detail::ptr_or_null<float>(weight),
+                            detail::ptr_or_null<float>(bias), out.data<float>(), mean_t.data<float>(),
+                            rstd_t.data<float>(), rows, c, eps);
+  if (should_record({&x, &weight, &bias})) {
+    detail::record("LayerNormBackward", {&x, &weight, &bias}, {&out},
+                   [x, weight, mean_t, rstd_t, rows, c, need_x = detail::needs_grad(x),
+                    need_w = detail::needs_grad(weight),
+                    need_b = detail::needs_grad(bias)](TensorList&& g) -> TensorList {
+                     const Device device = x.device();
+                     Tensor gx, gw, gb;
+                     if (need_x) gx = detail::new_activation(x.shape(), DType::f32, device);
+                     if (need_w) gw = detail::new_activation({c}, DType::f32, device);
+                     if (need_b) gb = detail::new_activation({c}, DType::f32, device);
+                     kernels::cuda::layer_norm_backward(
+                         device, x.data<float>(), g[0].data<float>(), detail::ptr_or_null<float>(weight),
+                         mean_t.data<float>(), rstd_t.data<float>(), detail::ptr_or_null<float>(gx),
+                         detail::ptr_or_null<float>(gw), detail::ptr_or_null<float>(gb), rows, c);
+                     return {gx, gw, gb};
+                   });
+  }
+  return out;
 }
 
 }  // namespace
 
 Tensor layer_norm_compute(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps) {
-  detail::check_f32_cpu("layer_norm", x);
+  detail::check_f32("layer_norm", x);
   SK_CHECK_GE(x.dim(), 1) << "layer_norm of a 0-d tensor";
   const std::int64_t c = x.size(-1);
   const std::int64_t rows = c == 0 ? 0 : x.numel() / c;
-  CheckParam("layer_norm", weight, c, "weight");
-  CheckParam("layer_norm", bias, c, "bias");
+  CheckParam("layer_norm", weight, c, "weight", x.device());
+  CheckParam("layer_norm", bias, c, "bias", x.device());
+  if (x.device().is_cuda()) return LayerNormOnDevice(x, weight, bias, eps, rows, c);
   Tensor out = detail::new_activation(x.shape());
   Tensor mean_t = detail::new_activation({rows});
   Tensor rstd_t = detail::new_activation({rows});

@@ -12,6 +12,7 @@
 
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/grad_accumulation.h"
+#include "common/kernels/elementwise.h"
 #include "common/tensor/trace_hook.h"
 
 namespace shardkit::autograd::detail {
@@ -49,12 +50,48 @@ inline void record(const char* name, const TensorList& inputs, const TensorList&
 // True when `t` is defined and requires grad (its gradient is worth computing).
 inline bool needs_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
 
-// Ops compute in fp32 on the CPU; anything else is a caller bug reported with the op's name.
+// Note [ops on devices]: ops compute in fp32. Those the GPT uses (linear, matmul / bmm, add / sub / mul, gelu,
+// layer_norm, causal_attention, cross_entropy, embedding, narrow, cast, reshape) run on CPU tensors and on CUDA
+// tensors: their results, saved tensors and gradients live on the inputs' device, the CPU through the loops and
+// BLAS here, a GPU through the kernels::cuda functions (common/kernels/cuda/cuda_kernels.h) on the calling
+// thread's stream. Every other op is CPU only and names itself when handed a CUDA tensor.
+
+// An fp32 CPU tensor, else an error naming the op (for the CPU-only ops).
 inline void check_f32_cpu(const char* op, const Tensor& t) {
   SK_CHECK(t.defined()) << op << ": undefined input";
   SK_CHECK(t.dtype() == DType::f32 && t.device().is_cpu())
       << op << ": expected an f32 CPU tensor, found " << t.describe()
-      << " (autograd ops compute in fp32 on the CPU; cast first)";
+      << " (this op computes in fp32 on the CPU only; cast first, or move the tensor to the CPU)";
+}
+
+// An fp32 tensor on any device (the ops of Note [ops on devices]).
+inline void check_f32(const char* op, const Tensor& t) {
+  SK_CHECK(t.defined()) << op << ": undefined input";
+  SK_CHECK(t.dtype() == DType::f32) << op << ": expected an f32 tensor, found " << t.describe()
+                                    << " (autograd ops compute in fp32; cast first)";
+}
+
+// `t` (when defined) lives on `device`, else an error naming the op and both devices.
+inline void check_on(const char* op, const Tensor& t, Device device) {
+  SK_CHECK(!t.defined() || t.device() == device)
+      << op << ": tensors on different devices: " << t.describe() << " is not on " << device.str();
+}
+
+// T's data as a typed pointer, or nullptr for an undefined or empty tensor (for kernels that take optional
+// operands).
+template <typename T>
+T* ptr_or_null(const Tensor& t) {
+  return t.defined() && t.numel() > 0 ? t.data<T>() : nullptr;
+}
+
+// Element i of an i64 tensor on any device (a synchronous copy from a device), for error messages.
+inline std::int64_t i64_at(const Tensor& t, std::int64_t i) {
+  if (t.device().is_cpu()) return t.data<std::int64_t>()[i];
+  TensorOptions o;
+  o.dtype = DType::i64;
+  Tensor host = Tensor::empty({1}, o);
+  kernels::cast(t.view(i, {1}), host);
+  return host.data<std::int64_t>()[0];
 }
 
 // Note [traced ops]

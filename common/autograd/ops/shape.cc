@@ -4,6 +4,7 @@
 
 #include "common/autograd/ops/op_utils.h"
 #include "common/base/copy_bytes.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -66,6 +67,8 @@ Tensor PermuteCopy(const Tensor& x, const std::vector<std::int64_t>& dims) {
   return out;
 }
 
+std::size_t Bytes(std::int64_t floats) { return static_cast<std::size_t>(floats) * sizeof(float); }
+
 // Copies x ([outer, mid_x, inner]) into out ([outer, mid_out, inner]) at offset `at` along mid.
 void PlaceAlong(const Tensor& x, const Tensor& out, std::int64_t d, std::int64_t at) {
   const Split3 xs = Around(x.shape(), d);
@@ -73,6 +76,11 @@ void PlaceAlong(const Tensor& x, const Tensor& out, std::int64_t d, std::int64_t
   const float* src = x.data<float>();
   float* dst = out.data<float>();
   const std::int64_t chunk = xs.mid * xs.inner;
+  if (out.device().is_cuda()) {
+    kernels::cuda::copy_2d(out.device(), src, Bytes(chunk), dst + at * os.inner, Bytes(os.mid * os.inner),
+                           Bytes(chunk), xs.outer);
+    return;
+  }
   for (std::int64_t o = 0; o < xs.outer; ++o) {
     copy_bytes(dst + (o * os.mid + at) * os.inner, src + o * chunk, static_cast<std::size_t>(chunk) * sizeof(float));
   }
@@ -85,6 +93,11 @@ void TakeAlong(const Tensor& x, const Tensor& out, std::int64_t d, std::int64_t 
   const float* src = x.data<float>();
   float* dst = out.data<float>();
   const std::int64_t chunk = os.mid * os.inner;
+  if (out.device().is_cuda()) {
+    kernels::cuda::copy_2d(out.device(), src + at * xs.inner, Bytes(xs.mid * xs.inner), dst, Bytes(chunk),
+                           Bytes(chunk), os.outer);
+    return;
+  }
   for (std::int64_t o = 0; o < os.outer; ++o) {
     copy_bytes(dst + o * chunk, src + (o * xs.mid + at) * xs.inner, static_cast<std::size_t>(chunk) * sizeof(float));
   }
@@ -133,7 +146,7 @@ Tensor transpose(const Tensor& x, std::int64_t dim0, std::int64_t dim1) {
 }
 
 std::vector<Tensor> split_compute(const Tensor& x, const std::vector<std::int64_t>& sizes, std::int64_t dim) {
-  detail::check_f32_cpu("split", x);
+  detail::check_f32("split", x);
   const std::int64_t d = NormDim("split", dim, x.dim());
   std::int64_t total = 0;
   for (std::int64_t s : sizes) {
@@ -146,15 +159,15 @@ std::vector<Tensor> split_compute(const Tensor& x, const std::vector<std::int64_
   for (std::int64_t s : sizes) {
     Shape sh = x.shape();
     sh[static_cast<std::size_t>(d)] = s;
-    Tensor o = detail::new_activation(sh);
+    Tensor o = detail::new_activation(sh, DType::f32, x.device());
     TakeAlong(x, o, d, at);
     at += s;
     outs.push_back(std::move(o));
   }
   if (should_record({&x})) {
     auto node = std::make_shared<detail::LambdaBackward>(
-        "SplitBackward", [d, in_shape = x.shape()](TensorList&& g) -> TensorList {
-          Tensor gx = detail::new_activation(in_shape);
+        "SplitBackward", [d, in_shape = x.shape(), device = x.device()](TensorList&& g) -> TensorList {
+          Tensor gx = detail::new_activation(in_shape, DType::f32, device);
           std::int64_t pos = 0;
           for (const Tensor& gi : g) {
             PlaceAlong(gi, gx, d, pos);
@@ -175,7 +188,8 @@ Tensor concat_compute(const std::vector<Tensor>& xs, std::int64_t dim) {
   sh[static_cast<std::size_t>(d)] = 0;
   std::vector<std::int64_t> sizes;
   for (const Tensor& t : xs) {
-    detail::check_f32_cpu("concat", t);
+    detail::check_f32("concat", t);
+    detail::check_on("concat", t, xs[0].device());
     Shape ts = t.shape();
     SK_CHECK_EQ(t.dim(), xs[0].dim()) << "concat: ranks differ";
     sizes.push_back(ts[static_cast<std::size_t>(d)]);
@@ -186,7 +200,7 @@ Tensor concat_compute(const std::vector<Tensor>& xs, std::int64_t dim) {
     SK_CHECK(ts == ref) << "concat: " << t.describe() << " does not match " << xs[0].describe()
                         << " outside dimension " << d;
   }
-  Tensor out = detail::new_activation(sh);
+  Tensor out = detail::new_activation(sh, DType::f32, xs[0].device());
   std::int64_t at = 0;
   for (const Tensor& t : xs) {
     PlaceAlong(t, out, d, at);
@@ -202,7 +216,7 @@ Tensor concat_compute(const std::vector<Tensor>& xs, std::int64_t dim) {
         if (need[i]) {
           Shape s = g[0].shape();
           s[static_cast<std::size_t>(d)] = sizes[i];
-          Tensor gi = detail::new_activation(s);
+          Tensor gi = detail::new_activation(s, DType::f32, g[0].device());
           TakeAlong(g[0], gi, d, pos);
           gs.push_back(gi);
         } else {
@@ -217,33 +231,34 @@ Tensor concat_compute(const std::vector<Tensor>& xs, std::int64_t dim) {
 }
 
 Tensor narrow_compute(const Tensor& x, std::int64_t dim, std::int64_t start, std::int64_t length) {
-  detail::check_f32_cpu("narrow", x);
+  detail::check_f32("narrow", x);
   const std::int64_t d = NormDim("narrow", dim, x.dim());
   SK_CHECK(start >= 0 && length >= 0 && start + length <= x.size(d))
       << "narrow: [" << start << ", " << start + length << ") of dimension " << d << " of " << x.describe();
   Shape sh = x.shape();
   sh[static_cast<std::size_t>(d)] = length;
-  Tensor out = detail::new_activation(sh);
+  Tensor out = detail::new_activation(sh, DType::f32, x.device());
   TakeAlong(x, out, d, start);
   if (should_record({&x})) {
-    detail::record("NarrowBackward", {&x}, {&out}, [d, start, in_shape = x.shape()](TensorList&& g) -> TensorList {
-      Tensor gx = detail::zeros_activation(in_shape);
-      PlaceAlong(g[0], gx, d, start);
-      return {gx};
-    });
+    detail::record("NarrowBackward", {&x}, {&out},
+                   [d, start, in_shape = x.shape(), device = x.device()](TensorList&& g) -> TensorList {
+                     Tensor gx = detail::zeros_activation(in_shape, DType::f32, device);
+                     PlaceAlong(g[0], gx, d, start);
+                     return {gx};
+                   });
   }
   return out;
 }
 
 Tensor cast_compute(const Tensor& x, DType dtype) {
-  SK_CHECK(x.defined() && x.device().is_cpu()) << "cast: expected a CPU tensor";
+  SK_CHECK(x.defined()) << "cast: undefined input";
   SK_CHECK(is_floating(dtype) && is_floating(x.dtype())) << "cast: float dtypes only, " << x.describe();
-  Tensor out = detail::new_activation(x.shape(), dtype);
-  out.copy_(x);
+  Tensor out = detail::new_activation(x.shape(), dtype, x.device());
+  detail::copy_into(out, x);
   if (should_record({&x})) {
     detail::record("CastBackward", {&x}, {&out}, [from = x.dtype()](TensorList&& g) -> TensorList {
-      Tensor gx = detail::new_activation(g[0].shape(), from);
-      gx.copy_(g[0]);
+      Tensor gx = detail::new_activation(g[0].shape(), from, g[0].device());
+      detail::copy_into(gx, g[0]);
       return {gx};
     });
   }

@@ -1,5 +1,7 @@
 // Raw-pointer CUDA kernels behind the device-dispatching functions of gemm.h, reduce.h and
-// elementwise.h. Internal to common/kernels: other folders call the Tensor-level functions.
+// elementwise.h, and behind the autograd ops on CUDA tensors. Other folders call the Tensor-level functions,
+// except common/autograd/ops, which calls the section "the kernels behind the autograd ops" and gemm directly
+// (Note [ops on devices] in common/autograd/ops/op_utils.h).
 //
 // Pointers are device pointers on `device`. Every function makes `device` current for the call (and
 // restores the caller's device), and launches on cudaStreamPerThread, the calling thread's default
@@ -50,6 +52,53 @@ void cast(Device device, const void* src, DType src_dtype, void* dst, DType dst_
 // destination's when the source is the host), and waits for it.
 void copy_bytes(const void* src, Device src_device, void* dst, Device dst_device, std::size_t nbytes);
 
+// ---- the kernels behind the autograd ops on CUDA (nn_ops.cu): fp32, contiguous row-major ------------------
+// Row-broadcast binary ops: out[r, j] = a[r, j] op b[j] for r < rows, j < n (assign: out[r, j] = b[j], a unused).
+enum class RowOp : unsigned char { add, sub, mul, assign };
+void broadcast_rows(Device device, RowOp op, const float* a, const float* b, float* out, std::int64_t rows,
+                    std::int64_t n);
+// out[j] = sum over r of x[r, j] (plus out[j] when accumulate), in a fixed order (Note [deterministic column
+// sums] in nn_ops.cu).
+void sum_rows(Device device, const float* x, float* out, std::int64_t rows, std::int64_t n, bool accumulate);
+// GELU, GPT-2's tanh form or the exact x Phi(x), and its gradient gx = gy * GELU'(x).
+void gelu(Device device, bool tanh_approx, const float* x, float* y, std::int64_t n);
+void gelu_backward(Device device, bool tanh_approx, const float* x, const float* gy, float* gx, std::int64_t n);
+// LayerNorm over the last dimension c of [rows, c]; w / b may be null (no affine part). Saves each row's mean
+// and 1 / std for the backward, which writes any of gx, gw, gb that is not null (gw, gb overwritten, not added).
+void layer_norm(Device device, const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
+                std::int64_t rows, std::int64_t c, float eps);
+void layer_norm_backward(Device device, const float* x, const float* gy, const float* w, const float* mean,
+                         const float* rstd, float* gx, float* gw, float* gb, std::int64_t rows, std::int64_t c);
+// In place over `matrices` [t, t] score matrices: row i becomes the softmax of its columns 0..i, zero after.
+// The backward overwrites dp with dS = P * (dP - rowsum(P * dP)) (zero above the diagonal).
+void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t);
+void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t);
+// Row-major C_i = alpha op(A_i) op(B_i) + beta C_i for i < batches, X_i = x + i * stride_x (elements), through
+// cublasSgemmStridedBatched.
+void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                          std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
+                          const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
+                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches);
+// Mean cross-entropy of logits [rows, v] against i64 targets (rows equal to ignore_index left out): writes each
+// kept row's log-sum-exp to lse (0 for an ignored row), the loss to loss[0] and the number of kept rows to
+// count[0]. Synchronous; returns the first row whose target is outside [0, v), or -1.
+std::int64_t cross_entropy(Device device, const float* logits, const std::int64_t* targets, float* lse, float* loss,
+                           float* count, std::int64_t rows, std::int64_t v, std::int64_t ignore_index);
+// gx = gloss[0] / count[0] * (softmax(logits) - onehot(target)), zero on ignored rows.
+void cross_entropy_backward(Device device, const float* logits, const std::int64_t* targets, const float* lse,
+                            const float* gloss, const float* count, float* gx, std::int64_t rows, std::int64_t v,
+                            std::int64_t ignore_index);
+// y[i, :] = weight[indices[i], :] for i < n, rows of c. Synchronous; returns the first position whose index is
+// outside [0, vocab) (its row of y is zero), or -1.
+std::int64_t embedding(Device device, const float* weight, const std::int64_t* indices, float* y, std::int64_t n,
+                       std::int64_t c, std::int64_t vocab);
+// gw[indices[i], :] += gy[i, :] (atomics: the order of a repeated index's adds is not fixed).
+void embedding_backward(Device device, const std::int64_t* indices, const float* gy, float* gw, std::int64_t n,
+                        std::int64_t c);
+// `height` rows of `width` bytes from src (rows src_pitch bytes apart) to dst (dst_pitch apart), on `device`.
+void copy_2d(Device device, const void* src, std::size_t src_pitch, void* dst, std::size_t dst_pitch,
+             std::size_t width, std::int64_t height);
+
 // ---- the seam (Note [cuda component]) -----------------------------------------------------------------
 struct CudaKernelOps {
   decltype(&cuda::gemm) gemm;
@@ -66,12 +115,26 @@ struct CudaKernelOps {
   decltype(&cuda::fill) fill;
   decltype(&cuda::cast) cast;
   decltype(&cuda::copy_bytes) copy_bytes;
+  decltype(&cuda::broadcast_rows) broadcast_rows;
+  decltype(&cuda::sum_rows) sum_rows;
+  decltype(&cuda::gelu) gelu;
+  decltype(&cuda::gelu_backward) gelu_backward;
+  decltype(&cuda::layer_norm) layer_norm;
+  decltype(&cuda::layer_norm_backward) layer_norm_backward;
+  decltype(&cuda::causal_softmax) causal_softmax;
+  decltype(&cuda::causal_softmax_backward) causal_softmax_backward;
+  decltype(&cuda::gemm_strided_batched) gemm_strided_batched;
+  decltype(&cuda::cross_entropy) cross_entropy;
+  decltype(&cuda::cross_entropy_backward) cross_entropy_backward;
+  decltype(&cuda::embedding) embedding;
+  decltype(&cuda::embedding_backward) embedding_backward;
+  decltype(&cuda::copy_2d) copy_2d;
 };
 
 // Called once by shardkit::cuda's static initialiser; `ops` must outlive the program (a constant).
 void register_cuda_kernels(const CudaKernelOps* ops);
 
-// The CUDA implementation, defined in elementwise.cu, gemm.cu and reduce.cu (part of shardkit::cuda only;
+// The CUDA implementation, defined in elementwise.cu, gemm.cu, nn_ops.cu and reduce.cu (part of shardkit::cuda only;
 // nothing in the CPU libraries refers to these).
 namespace cuda_impl {
 decltype(cuda::gemm) gemm;
@@ -88,6 +151,20 @@ decltype(cuda::axpby) axpby;
 decltype(cuda::fill) fill;
 decltype(cuda::cast) cast;
 decltype(cuda::copy_bytes) copy_bytes;
+decltype(cuda::broadcast_rows) broadcast_rows;
+decltype(cuda::sum_rows) sum_rows;
+decltype(cuda::gelu) gelu;
+decltype(cuda::gelu_backward) gelu_backward;
+decltype(cuda::layer_norm) layer_norm;
+decltype(cuda::layer_norm_backward) layer_norm_backward;
+decltype(cuda::causal_softmax) causal_softmax;
+decltype(cuda::causal_softmax_backward) causal_softmax_backward;
+decltype(cuda::gemm_strided_batched) gemm_strided_batched;
+decltype(cuda::cross_entropy) cross_entropy;
+decltype(cuda::cross_entropy_backward) cross_entropy_backward;
+decltype(cuda::embedding) embedding;
+decltype(cuda::embedding_backward) embedding_backward;
+decltype(cuda::copy_2d) copy_2d;
 }  // namespace cuda_impl
 
 }  // namespace shardkit::kernels::cuda

@@ -67,4 +67,62 @@ void copy_bytes(const void* src, Device src_device, void* dst, Device dst_device
   Ops("cuda::copy_bytes").copy_bytes(src, src_device, dst, dst_device, nbytes);
 }
 
+void broadcast_rows(Device device, RowOp op, const float* a, const float* b, float* out, std::int64_t rows,
+                    std::int64_t n) {
+  Ops("cuda::broadcast_rows").broadcast_rows(device, op, a, b, out, rows, n);
+}
+void sum_rows(Device device, const float* x, float* out, std::int64_t rows, std::int64_t n, bool accumulate) {
+  Ops("cuda::sum_rows").sum_rows(device, x, out, rows, n, accumulate);
+}
+void gelu(Device device, bool tanh_approx, const float* x, float* y, std::int64_t n) {
+  Ops("cuda::gelu").gelu(device, tanh_approx, x, y, n);
+}
+void gelu_backward(Device device, bool tanh_approx, const float* x, const float* gy, float* gx, std::int64_t n) {
+  Ops("cuda::gelu_backward").gelu_backward(device, tanh_approx, x, gy, gx, n);
+}
+void layer_norm(Device device, const float* x, const float* w, const float* b, float* y, float* mean, float* rstd,
+                std::int64_t rows, std::int64_t c, float eps) {
+  Ops("cuda::layer_norm").layer_norm(device, x, w, b, y, mean, rstd, rows, c, eps);
+}
+void layer_norm_backward(Device device, const float* x, const float* gy, const float* w, const float* mean,
+                         const float* rstd, float* gx, float* gw, float* gb, std::int64_t rows, std::int64_t c) {
+  Ops("cuda::layer_norm_backward").layer_norm_backward(device, x, gy, w, mean, rstd, gx, gw, gb, rows, c);
+}
+void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t) {
+  Ops("cuda::causal_softmax").causal_softmax(device, s, matrices, t);
+}
+void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t) {
+  Ops("cuda::causal_softmax_backward").causal_softmax_backward(device, p, dp, matrices, t);
+}
+void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                          std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
+                          const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
+                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
+  Ops("cuda::gemm_strided_batched")
+      .gemm_strided_batched(device, trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
+                            ldc, stride_c, batches);
+}
+std::int64_t cross_entropy(Device device, const float* logits, const std::int64_t* targets, float* lse, float* loss,
+                           float* count, std::int64_t rows, std::int64_t v, std::int64_t ignore_index) {
+  return Ops("cuda::cross_entropy").cross_entropy(device, logits, targets, lse, loss, count, rows, v, ignore_index);
+}
+void cross_entropy_backward(Device device, const float* logits, const std::int64_t* targets, const float* lse,
+                            const float* gloss, const float* count, float* gx, std::int64_t rows, std::int64_t v,
+                            std::int64_t ignore_index) {
+  Ops("cuda::cross_entropy_backward")
+      .cross_entropy_backward(device, logits, targets, lse, gloss, count, gx, rows, v, ignore_index);
+}
+std::int64_t embedding(Device device, const float* weight, const std::int64_t* indices, float* y, std::int64_t n,
+                       std::int64_t c, std::int64_t vocab) {
+  return Ops("cuda::embedding").embedding(device, weight, indices, y, n, c, vocab);
+}
+void embedding_backward(Device device, const std::int64_t* indices, const float* gy, float* gw, std::int64_t n,
+                        std::int64_t c) {
+  Ops("cuda::embedding_backward").embedding_backward(device, indices, gy, gw, n, c);
+}
+void copy_2d(Device device, const void* src, std::size_t src_pitch, void* dst, std::size_t dst_pitch,
+             std::size_t width, std::int64_t height) {
+  Ops("cuda::copy_2d").copy_2d(device, src, src_pitch, dst, dst_pitch, width, height);
+}
+
 }  // namespace shardkit::kernels::cuda

@@ -10,7 +10,7 @@
 // every process that links the CUDA kernels (shardkit::cuda) 0.1-0.15 s at start-up (their static
 // initialisers), measured here. Every test case is its own process under ctest, so that start-up cost
 // multiplies. cuBLAS is therefore opened with dlopen the first time a CUDA GEMM runs,
-// and its four entry points are looked up once (an immutable table after that: no mutable global state).
+// and its entry points are looked up once (an immutable table after that: no mutable global state).
 #include <cublas_v2.h>
 #include <dlfcn.h>
 
@@ -43,6 +43,7 @@ struct CublasApi {
   decltype(&cublasDestroy_v2) destroy = nullptr;
   decltype(&cublasSetStream_v2) set_stream = nullptr;
   decltype(&cublasSgemm_v2) sgemm = nullptr;
+  decltype(&cublasSgemmStridedBatched) sgemm_strided_batched = nullptr;
 };
 
 CublasApi LoadCublas() {
@@ -65,6 +66,7 @@ CublasApi LoadCublas() {
   find(api.destroy, "cublasDestroy_v2");
   find(api.set_stream, "cublasSetStream_v2");
   find(api.sgemm, "cublasSgemm_v2");
+  find(api.sgemm_strided_batched, "cublasSgemmStridedBatched");
   return api;
 }
 
@@ -142,6 +144,36 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
                   &beta, c, static_cast<int>(ldc));
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSgemm(m=" << m << ", n=" << n << ", k=" << k
                                        << "): " << CublasStatusName(s);
+}
+
+void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                          std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
+                          const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
+                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
+  SK_CHECK(m >= 0 && n >= 0 && k >= 0 && batches >= 0)
+      << "cuda::gemm_strided_batched: negative size m=" << m << " n=" << n << " k=" << k << " batches=" << batches;
+  constexpr std::int64_t kMax = std::numeric_limits<int>::max();
+  SK_CHECK(m <= kMax && n <= kMax && k <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax && batches <= kMax)
+      << "cuda::gemm_strided_batched: sizes exceed cuBLAS's int range";
+  if (m == 0 || n == 0 || batches == 0) return;
+  if (k == 0 || alpha == 0.f) {
+    for (std::int64_t i = 0; i < batches; ++i) {
+      gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c + i * stride_c, ldc);
+    }
+    return;
+  }
+  DeviceGuard guard(device);
+  const CublasApi& api = CheckedCublas();
+  cublasHandle_t h = HandleFor(device.index);
+  cublasStatus_t s = api.set_stream(h, cudaStreamPerThread);
+  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSetStream: " << CublasStatusName(s);
+  // Operands swapped as in Note [row-major through column-major cuBLAS].
+  s = api.sgemm_strided_batched(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
+                                static_cast<int>(ldb), stride_b, a, static_cast<int>(lda), stride_a, &beta, c,
+                                static_cast<int>(ldc), stride_c, static_cast<int>(batches));
+  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSgemmStridedBatched(m=" << m << ", n=" << n << ", k=" << k
+                                       << ", batches=" << batches << "): " << CublasStatusName(s);
 }
 
 std::string cublas_load_error() { return Cublas().error; }
