@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/autograd/grad_mode.h"
+#include "common/kernels/elementwise.h"
 
 namespace shardkit::nn {
 namespace {
@@ -255,6 +256,28 @@ void Module::to(DType dtype) {
   };
   for (auto& [name, m] : named_modules()) {
     for (auto& [n, t] : m->params_) t = convert(t);
+  }
+}
+
+void Module::to(Device device) {
+  absl::flat_hash_map<const TensorImpl*, Tensor> moved;
+  auto move = [&](const Tensor& t) -> Tensor {
+    if (!t.defined() || t.device() == device) return t;
+    auto it = moved.find(t.id());
+    if (it != moved.end()) return it->second;
+    TensorOptions o;
+    o.dtype = t.dtype();
+    o.device = device;
+    if (t.storage()) o.category = t.storage()->category();
+    Tensor n = Tensor::empty(t.shape(), o);
+    kernels::cast(t, n);
+    n.set_requires_grad(t.requires_grad());
+    moved.emplace(t.id(), n);
+    return n;
+  };
+  for (auto& [name, m] : named_modules()) {
+    for (auto& [n, t] : m->params_) t = move(t);
+    for (auto& [n, t] : m->buffers_) t = move(t);
   }
 }
 

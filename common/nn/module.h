@@ -125,6 +125,10 @@ class Module {
   // so a converted model still trains; its gradients have the parameters' dtype (bf16 grads: 2 bytes
   // per parameter, the mixed-precision rows of DESIGN.md section 6).
   void to(DType dtype);
+  // Moves every parameter and buffer to `device` (new tensors of the same dtype and ledger category, copied;
+  // requires_grad kept, gradients dropped). Sharing is kept as by to(DType). Forward then runs where the
+  // parameters are: the inputs must be on that device too (Note [ops on devices] in common/autograd/ops).
+  void to(Device device);
 
   // ---- state dict ------------------------------------------------------------------------------
   // Every parameter name (duplicates included) and every buffer, as handles over the live bytes

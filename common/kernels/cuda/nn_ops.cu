@@ -485,6 +485,10 @@ void copy_2d(Device device, const void* src, std::size_t src_pitch, void* dst, s
              std::size_t width, std::int64_t height) {
   if (width == 0 || height == 0) return;
   DeviceGuard guard(device);
+  if (height == 1) {  // one row: a plain copy (the pitches may then exceed what a 2-d copy accepts)
+    SK_CUDA_CHECK(cudaMemcpyAsync(dst, src, width, cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+    return;
+  }
   SK_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, static_cast<std::size_t>(height),
                                   cudaMemcpyDeviceToDevice, cudaStreamPerThread));
 }

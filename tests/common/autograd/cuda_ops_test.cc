@@ -1,0 +1,277 @@
+// Autograd ops on CUDA tensors (Note [ops on devices] in common/autograd/ops/op_utils.h) against the same ops on
+// the CPU: the forward value and every floating input's gradient, for each op the GPT uses, and GPT-tiny training
+// on a GPU against the CPU over 20 AdamW steps. The CUDA tests skip, with the reason, when no CUDA device is
+// usable. The device checks run everywhere: a tensor labelled cuda:0 over host bytes reaches them, and they fail
+// before any kernel would run.
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/autograd/engine.h"
+#include "common/autograd/ops.h"
+#include "common/kernels/elementwise.h"
+#include "common/nn/nn.h"
+#include "common/optim/adam.h"
+#include "common/tensor/rank_context.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/common/tensor/cuda_test_util.h"
+#include "tests/testing/gpt_tiny_data.h"
+
+namespace shardkit::autograd {
+namespace {
+
+using ::testing::HasSubstr;
+
+const Device kGpu = Device::cuda(0);
+
+Tensor To(const Tensor& t, Device device) {
+  TensorOptions o;
+  o.dtype = t.dtype();
+  o.device = device;
+  Tensor out = Tensor::empty(t.shape(), o);
+  kernels::cast(t, out);
+  return out;
+}
+
+std::vector<float> HostValues(const Tensor& t) { return To(t, Device::cpu()).to_vector(); }
+
+// Values uniform in [-bound, bound).
+Tensor Uniform(const Shape& shape, std::uint64_t seed, float bound = 1.0f) {
+  Generator gen(seed);
+  return Tensor::uniform(shape, gen, -bound, bound);
+}
+
+Tensor Indices(const Shape& shape, const std::vector<std::int64_t>& values) {
+  TensorOptions o;
+  o.dtype = DType::i64;
+  Tensor t = Tensor::empty(shape, o);
+  EXPECT_EQ(static_cast<std::size_t>(t.numel()), values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) t.data<std::int64_t>()[i] = values[i];
+  return t;
+}
+
+// |gpu - cpu| <= tol * (1 + |cpu|) elementwise.
+void ExpectNear(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol, const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  int reported = 0;
+  for (std::size_t i = 0; i < cpu.size(); ++i) {
+    const double bound = tol * (1.0 + std::fabs(cpu[i]));
+    if (!(std::fabs(static_cast<double>(gpu[i]) - cpu[i]) <= bound) && reported++ < 5) {
+      ADD_FAILURE() << what << "[" << i << "]: gpu " << gpu[i] << ", cpu " << cpu[i];
+    }
+  }
+}
+
+using Op = std::function<Tensor(const TensorList&)>;
+
+// Runs `op` on CPU copies and on GPU copies of `inputs` (floating ones require grad), backpropagates one random
+// upstream gradient through both, and compares the results and each floating input's gradient.
+void ExpectSameOnDevice(const TensorList& inputs, const Op& op, double tol) {
+  TensorList cpu, gpu;
+  for (const Tensor& t : inputs) {
+    Tensor c = t.clone();
+    Tensor g = To(t, kGpu);
+    if (is_floating(t.dtype())) {
+      c.set_requires_grad(true);
+      g.set_requires_grad(true);
+    }
+    cpu.push_back(c);
+    gpu.push_back(g);
+  }
+  Tensor yc = op(cpu);
+  Tensor yg = op(gpu);
+  ASSERT_TRUE(yg.device() == kGpu) << yg.describe();
+  ASSERT_EQ(yg.shape(), yc.shape());
+  ExpectNear(HostValues(yg), yc.to_vector(), tol, "output");
+  const Tensor up = Uniform(yc.shape(), 99);
+  backward(yc, up);
+  backward(yg, To(up, kGpu));
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!is_floating(inputs[i].dtype())) continue;
+    ASSERT_TRUE(gpu[i].grad().defined()) << "input " << i;
+    ASSERT_TRUE(gpu[i].grad().device() == kGpu) << gpu[i].grad().describe();
+    ExpectNear(HostValues(gpu[i].grad()), cpu[i].grad().to_vector(), tol, "gradient of input " + std::to_string(i));
+  }
+}
+
+constexpr double kTol = 1e-4;
+
+TEST(CudaOpsTest, LinearWithAndWithoutBias) {
+  SK_REQUIRE_CUDA_DEVICE("linear on a GPU");
+  ExpectSameOnDevice({Uniform({3, 5, 16}, 1), Uniform({24, 16}, 2), Uniform({24}, 3)},
+                     [](const TensorList& t) { return linear(t[0], t[1], t[2]); }, kTol);
+  ExpectSameOnDevice({Uniform({7, 16}, 4), Uniform({9, 16}, 5)},
+                     [](const TensorList& t) { return linear(t[0], t[1]); }, kTol);
+}
+
+TEST(CudaOpsTest, MatmulEveryTransposeAndBmm) {
+  SK_REQUIRE_CUDA_DEVICE("matmul / bmm on a GPU");
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "trans_a " << ta << " trans_b " << tb);
+      const Shape a = ta ? Shape{6, 5} : Shape{5, 6};
+      const Shape b = tb ? Shape{7, 6} : Shape{6, 7};
+      ExpectSameOnDevice({Uniform(a, 6), Uniform(b, 7)},
+                         [ta, tb](const TensorList& t) { return matmul(t[0], t[1], ta, tb); }, kTol);
+      const Shape ba = ta ? Shape{3, 6, 5} : Shape{3, 5, 6};
+      const Shape bb = tb ? Shape{3, 7, 6} : Shape{3, 6, 7};
+      ExpectSameOnDevice({Uniform(ba, 8), Uniform(bb, 9)},
+                         [ta, tb](const TensorList& t) { return bmm(t[0], t[1], ta, tb); }, kTol);
+    }
+  }
+}
+
+TEST(CudaOpsTest, ElementwiseWithAndWithoutBroadcast) {
+  SK_REQUIRE_CUDA_DEVICE("add / sub / mul / scale on a GPU");
+  ExpectSameOnDevice({Uniform({4, 6, 8}, 10), Uniform({6, 8}, 11)},
+                     [](const TensorList& t) { return add(t[0], t[1]); }, kTol);
+  ExpectSameOnDevice({Uniform({4, 6, 8}, 12), Uniform({4, 6, 8}, 13)},
+                     [](const TensorList& t) { return sub(t[0], t[1]); }, kTol);
+  ExpectSameOnDevice({Uniform({4, 6, 8}, 14), Uniform({8}, 15)},
+                     [](const TensorList& t) { return mul(t[0], t[1]); }, kTol);
+  ExpectSameOnDevice({Uniform({5, 3}, 16)}, [](const TensorList& t) { return scale(t[0], -2.5f); }, kTol);
+}
+
+TEST(CudaOpsTest, GeluBothForms) {
+  SK_REQUIRE_CUDA_DEVICE("gelu on a GPU");
+  for (GeluApproximation a : {GeluApproximation::none, GeluApproximation::tanh}) {
+    ExpectSameOnDevice({Uniform({1000}, 17, 4.0f)},
+                       [a](const TensorList& t) { return gelu(t[0], a); }, kTol);
+  }
+}
+
+TEST(CudaOpsTest, LayerNormWithAndWithoutAffine) {
+  SK_REQUIRE_CUDA_DEVICE("layer_norm on a GPU");
+  // 130 rows: more than one chunk of the column sums; width 100: not a multiple of a warp.
+  ExpectSameOnDevice({Uniform({10, 13, 100}, 18), Uniform({100}, 19), Uniform({100}, 20)},
+                     [](const TensorList& t) { return layer_norm(t[0], t[1], t[2]); }, kTol);
+  ExpectSameOnDevice({Uniform({6, 40}, 21)}, [](const TensorList& t) { return layer_norm(t[0], Tensor(), Tensor()); },
+                     kTol);
+}
+
+TEST(CudaOpsTest, CausalAttention) {
+  SK_REQUIRE_CUDA_DEVICE("causal_attention on a GPU");
+  // T = 37: rows longer than a warp; 4 heads of 8.
+  ExpectSameOnDevice({Uniform({2, 37, 96}, 22)}, [](const TensorList& t) { return causal_attention(t[0], 4); },
+                     kTol);
+}
+
+TEST(CudaOpsTest, CrossEntropyWithIgnoredRows) {
+  SK_REQUIRE_CUDA_DEVICE("cross_entropy on a GPU");
+  const Tensor targets = Indices({2, 3}, {4, -100, 0, 299, 7, -100});
+  ExpectSameOnDevice({Uniform({2, 3, 300}, 23, 5.0f), targets},
+                     [](const TensorList& t) { return cross_entropy(t[0], t[1]); }, 1e-5);
+  // Every row ignored: loss 0, gradient 0, as on the CPU.
+  ExpectSameOnDevice({Uniform({2, 5}, 24), Indices({2}, {-100, -100})},
+                     [](const TensorList& t) { return cross_entropy(t[0], t[1]); }, 1e-6);
+}
+
+TEST(CudaOpsTest, EmbeddingWithRepeatedIndices) {
+  SK_REQUIRE_CUDA_DEVICE("embedding on a GPU");
+  ExpectSameOnDevice({Uniform({11, 20}, 25), Indices({2, 4}, {3, 0, 3, 10, 3, 1, 0, 9})},
+                     [](const TensorList& t) { return embedding(t[0], t[1]); }, kTol);
+}
+
+TEST(CudaOpsTest, NarrowSplitConcatAndCast) {
+  SK_REQUIRE_CUDA_DEVICE("shape ops on a GPU");
+  ExpectSameOnDevice({Uniform({4, 9, 5}, 26)}, [](const TensorList& t) { return narrow(t[0], 1, 2, 4); }, kTol);
+  ExpectSameOnDevice({Uniform({4, 9, 5}, 27)}, [](const TensorList& t) {
+    std::vector<Tensor> parts = split(t[0], {2, 3, 4}, 1);
+    return add(mul(parts[0], narrow(parts[2], 1, 0, 2)), narrow(parts[1], 1, 1, 2));
+  }, kTol);
+  ExpectSameOnDevice({Uniform({3, 2, 4}, 28), Uniform({3, 5, 4}, 29)},
+                     [](const TensorList& t) { return concat({t[0], t[1]}, 1); }, kTol);
+  ExpectSameOnDevice({Uniform({64}, 30)}, [](const TensorList& t) { return cast(cast(t[0], DType::bf16), DType::f32); },
+                     0.0);
+}
+
+TEST(CudaOpsTest, OutOfRangeIndicesAreErrorsNamingThePosition) {
+  SK_REQUIRE_CUDA_DEVICE("embedding / cross_entropy index checks on a GPU");
+  const Tensor w = To(Uniform({5, 4}, 31), kGpu);
+  try {
+    embedding(w, To(Indices({3}, {1, 5, 2}), kGpu));
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), HasSubstr("index 5 at position 1 is outside [0, 5)"));
+  }
+  try {
+    cross_entropy(To(Uniform({3, 6}, 32), kGpu), To(Indices({3}, {0, 2, -1}), kGpu));
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), HasSubstr("target -1 at position 2 is outside [0, 6)"));
+  }
+}
+
+// A tensor that says it lives on cuda:0 over host bytes: the device checks see a CUDA tensor, no kernel runs.
+Tensor LabelledCuda(std::vector<float>& bytes, const Shape& shape) {
+  return Tensor::over(Storage::borrow(bytes.data(), bytes.size() * sizeof(float), kGpu), 0, shape, DType::f32);
+}
+
+TEST(OpsOnDevicesTest, MixedDevicesAreErrorsNamingBothTensors) {
+  std::vector<float> w_bytes(4 * 3), b_bytes(4);
+  const Tensor w = LabelledCuda(w_bytes, {4, 3});
+  const Tensor b = LabelledCuda(b_bytes, {4});
+  const Tensor x = Uniform({2, 3}, 33);
+  auto message = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_THAT(message([&] { linear(x, w); }), HasSubstr("linear: tensors on different devices"));
+  EXPECT_THAT(message([&] { add(Uniform({2, 4}, 34), b); }), HasSubstr("add: tensors on different devices"));
+  EXPECT_THAT(message([&] { matmul(x, w, false, true); }), HasSubstr("matmul: tensors on different devices"));
+  EXPECT_THAT(message([&] { layer_norm(Uniform({2, 4}, 35), b, Tensor()); }), HasSubstr("expected an f32 CPU tensor"));
+  EXPECT_THAT(message([&] { embedding(w, Indices({2}, {0, 1})); }), HasSubstr("expected i64 indices on cuda:0"));
+  EXPECT_THAT(message([&] { cross_entropy(w, Indices({4}, {0, 1, 2, 0})); }),
+              HasSubstr("expected i64 targets on cuda:0"));
+  // A CPU-only op names itself.
+  EXPECT_THAT(message([&] { softmax(w); }), HasSubstr("softmax: expected an f32 CPU tensor"));
+}
+
+// ---- GPT-tiny on a GPU against the CPU -------------------------------------------------------------------------
+struct TrainedGpt {
+  std::vector<double> losses;
+  std::vector<float> params;  // every parameter, concatenated
+};
+
+TrainedGpt TrainGpt(Device device, int steps) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  nn::GPT model(gpt_tiny::TinyConfig(), 1);
+  model.to(device);
+  auto opt = optim::AdamW::make({{model.parameters(), optim::AdamW::default_hyper()}}, optim::AdamW::default_hyper());
+  EXPECT_TRUE(opt.ok());
+  TrainedGpt out;
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = gpt_tiny::Batch(step, 0, 8);
+    (*opt)->zero_grad();
+    Tensor loss = model.loss(To(x, device), To(y, device));
+    out.losses.push_back(HostValues(loss)[0]);
+    backward(loss);
+    EXPECT_TRUE((*opt)->step().ok());
+  }
+  for (const Tensor& p : model.parameters()) {
+    EXPECT_TRUE(p.device() == device) << p.describe();
+    const std::vector<float> v = HostValues(p);
+    out.params.insert(out.params.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+TEST(CudaGptTrainingTest, TwentyAdamWStepsMatchTheCpu) {
+  SK_REQUIRE_CUDA_DEVICE("GPT training on a GPU");
+  const TrainedGpt cpu = TrainGpt(Device::cpu(), 20);
+  const TrainedGpt gpu = TrainGpt(kGpu, 20);
+  ASSERT_EQ(gpu.losses.size(), cpu.losses.size());
+  for (std::size_t i = 0; i < cpu.losses.size(); ++i) EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-3) << "step " << i;
+  EXPECT_LT(gpu.losses.back(), gpu.losses.front());
+  ExpectNear(gpu.params, cpu.params, 1e-3, "parameter");
+}
+
+}  // namespace
+}  // namespace shardkit::autograd
