@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the pack tools/gpu/pack.sh made: the CUDA tests (every test whose name says
-# Cuda / Nccl; without a GPU they skip, here they must pass) and optim_bench_cuda. Results go to $OUT (the device
-# tool brings them back): one file per binary, summary.txt with each exit status, and the machine's description.
+# Cuda / Nccl; without a GPU they skip, here they must pass), optim_bench_cuda, and bench/gpt2_vs_torch.py (GPT-2
+# small against PyTorch eager). Results go to $OUT (the device tool brings them back): one file per binary,
+# summary.txt with each exit status, and the machine's description.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/gpu-out}
@@ -25,5 +26,11 @@ for t in tensor_test kernels_test autograd_cuda_ops_test optim_test comm_nccl_te
 done
 timeout 300 "$here/bin/optim_bench_cuda" > "$out/optim_bench_cuda.txt" 2>&1
 echo "optim_bench_cuda exit $?" >> "$out/summary.txt"
+# GPT-2 small step against PyTorch eager (fp32 both; then PyTorch in bf16, the issue's goal line).
+for dtype in fp32 bf16; do
+  timeout 300 python3 "$here/gpt2_vs_torch.py" --shardkit "$here/bin/model_bench_cuda" --dtype "$dtype" \
+    > "$out/gpt2_vs_torch_$dtype.txt" 2>&1
+  echo "gpt2_vs_torch $dtype exit $?: $(tail -1 "$out/gpt2_vs_torch_$dtype.txt")" >> "$out/summary.txt"
+done
 cat "$out/summary.txt"
 grep -hE '^\[  FAILED  \]|^BM_' "$out"/*.txt | head -60

@@ -1,0 +1,149 @@
+// model_bench_cuda: one GPT training step on a CUDA device (issue 14's model_bench on a GPU): forward (logits +
+// cross-entropy), backward, fused AdamW step, gradients dropped, the loss read back to the host (so each timed step
+// is complete). fp32 throughout: the ops compute in fp32 with cuBLAS's default (full fp32, no TF32) GEMM.
+//
+// Counters:
+//   tokens_per_s   B * T tokens per step (median step time)
+//   step_tflops    model flops per step (model_bench.cc's count: 6 N + the tied projection + attention) / time
+//   gemm_tflops    a 4096^3 fp32 cuBLAS GEMM measured in the same run (the limit)
+//   frac_of_gemm   step_tflops / gemm_tflops (MFU against what this GPU's fp32 GEMM reaches)
+// bench/gpt2_vs_torch.py runs this binary and PyTorch eager on the same model, batch and dtype and prints the ratio.
+// Without a usable CUDA device every case is skipped with the reason.
+//
+// Run: build/bench/model_bench_cuda    (SHARDKIT_BENCH_BATCH=<B> overrides the batch of 4)
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "bench/thread_timing.h"
+#include "benchmark/benchmark.h"
+#include "common/autograd/engine.h"
+#include "common/kernels/cuda/cuda_kernels.h"
+#include "common/kernels/elementwise.h"
+#include "common/nn/gpt.h"
+#include "common/optim/adam.h"
+#include "common/tensor/device_memory.h"
+#include "common/tensor/rank_context.h"
+
+namespace shardkit::nn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+const Device kGpu = Device::cuda(0);
+
+Tensor OnGpu(const Tensor& t) {
+  TensorOptions o;
+  o.dtype = t.dtype();
+  o.device = kGpu;
+  Tensor out = Tensor::empty(t.shape(), o);
+  kernels::cast(t, out);
+  return out;
+}
+
+// The first element, copied to the host: synchronous, so every kernel queued before it has finished.
+float ReadFirst(const Tensor& t) {
+  Tensor one = Tensor::empty({1});
+  kernels::cast(t.view(0, {1}), one);
+  return one.data<float>()[0];
+}
+
+// fp32 GEMM TFLOP/s of cuBLAS on this device: best of 5 products of 4096^3.
+double GemmTflops() {
+  constexpr std::int64_t n = 4096;
+  TensorOptions o;
+  o.device = kGpu;
+  const Tensor a = Tensor::zeros({n, n}, o), b = Tensor::zeros({n, n}, o), c = Tensor::zeros({n, n}, o);
+  double best = 0;
+  for (int i = 0; i < 6; ++i) {
+    const auto t0 = Clock::now();
+    kernels::cuda::gemm(kGpu, false, false, n, n, n, 1.f, a.data<float>(), n, b.data<float>(), n, 0.f,
+                        c.data<float>(), n);
+    ReadFirst(c);
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (i > 0) best = std::max(best, 2.0 * n * n * n / s);
+  }
+  return best * 1e-12;
+}
+
+std::int64_t Batch() {
+  const char* b = std::getenv("SHARDKIT_BENCH_BATCH");
+  return b != nullptr ? std::atoll(b) : 4;
+}
+
+void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name, std::int64_t seq) {
+  if (detail::cuda_device_count() == 0) {
+    state.SkipWithError("no usable CUDA device (build without CUDA, no GPU, or CUDA driver too old)");
+    return;
+  }
+  const std::int64_t batch = Batch();
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  const GPTConfig config = *GPTConfig::named(config_name);
+  GPT gpt(config, 1);
+  gpt.to(kGpu);
+  auto opt = optim::AdamW::make({{gpt.parameters(), optim::AdamW::default_hyper()}}, optim::AdamW::default_hyper());
+  if (!opt.ok()) {
+    state.SkipWithError(std::string(opt.status().message()).c_str());
+    return;
+  }
+  Generator data(7);
+  std::vector<std::int64_t> in(static_cast<std::size_t>(batch * seq)), target(in.size());
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    in[i] = static_cast<std::int64_t>(data.next_below(static_cast<std::uint64_t>(config.vocab_size)));
+    target[i] = static_cast<std::int64_t>(data.next_below(static_cast<std::uint64_t>(config.vocab_size)));
+  }
+  const Tensor idx = OnGpu(Tensor::from_int64(in, {batch, seq}));
+  const Tensor targets = OnGpu(Tensor::from_int64(target, {batch, seq}));
+  auto step = [&] {
+    (*opt)->zero_grad();
+    Tensor loss = gpt.loss(idx, targets);
+    autograd::backward(loss);
+    const absl::Status s = (*opt)->step();
+    benchmark::DoNotOptimize(ReadFirst(loss));
+    return s;
+  };
+  for (int i = 0; i < 2; ++i) {  // warm-up: cuBLAS handles, the optimizer's state, the allocator
+    if (absl::Status s = step(); !s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      return;
+    }
+  }
+  std::vector<double> step_s;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    const absl::Status s = step();
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      return;
+    }
+    state.SetIterationTime(dt);
+    step_s.push_back(dt);
+  }
+  const double median = bench::Median(step_s);
+  const double tokens = static_cast<double>(batch * seq);
+  const double c = static_cast<double>(config.width);
+  const double non_embedding = static_cast<double>(config.num_layers) * 12 * c * c;
+  const double flops_per_token = 6 * non_embedding + 6 * static_cast<double>(config.vocab_size) * c +
+                                 12 * static_cast<double>(config.num_layers) * static_cast<double>(seq) * c;
+  const double tflops = flops_per_token * tokens / median * 1e-12;
+  const double limit = GemmTflops();
+  state.counters["tokens_per_s"] = tokens / median;
+  state.counters["step_tflops"] = tflops;
+  state.counters["gemm_tflops"] = limit;
+  state.counters["frac_of_gemm"] = tflops / limit;
+  state.counters["params"] = static_cast<double>(gpt.num_parameters());
+  state.SetLabel(config_name + " B=" + std::to_string(batch) + " T=" + std::to_string(seq) + " fp32");
+}
+
+BENCHMARK_CAPTURE(BM_GptTrainStepCuda, gpt2-small, std::string("gpt2-small"), 1024)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(10);
+
+}  // namespace
+}  // namespace shardkit::nn
+
+BENCHMARK_MAIN();
