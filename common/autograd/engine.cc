@@ -190,6 +190,11 @@ void backward(const TensorList& roots, const TensorList& grads, const BackwardOp
     } else if (g.shape() != r.shape()) {
       throw AutogradError(absl::StrCat("backward: expected a gradient of shape ", shape_str(r.shape()),
                                        " for the root, found ", g.describe()));
+    } else if (g.device() != r.device() || g.dtype() != r.dtype()) {
+      // The root's backward reads the gradient as the root's dtype on the root's device.
+      throw AutogradError(absl::StrCat("backward: expected a gradient of dtype ", std::string(dtype_name(r.dtype())),
+                                       " on ", r.device().str(), " for the root ", r.describe(), ", found ",
+                                       g.describe()));
     }
     root_edges.push_back(gradient_edge(r));
     root_grads.push_back(std::move(g));

@@ -65,6 +65,8 @@ Tensor run_tensor_hooks(const TensorHookList& hooks, Tensor grad, const Shape& e
     if (replaced.has_value()) {
       SK_CHECK(replaced->defined() && replaced->shape() == expected)
           << "a tensor hook returned " << replaced->describe() << " for a gradient of shape " << shape_str(expected);
+      SK_CHECK(replaced->device() == grad.device())
+          << "a tensor hook returned " << replaced->describe() << " for a gradient on " << grad.device().str();
       grad = std::move(*replaced);
     }
   });

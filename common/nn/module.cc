@@ -249,7 +249,12 @@ void Module::to(DType dtype) {
     if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return t;
     auto it = converted.find(t.id());
     if (it != converted.end()) return it->second;
-    Tensor n = t.to(dtype, t.storage() ? std::optional<MemoryCategory>(t.storage()->category()) : std::nullopt);
+    TensorOptions o;
+    o.dtype = dtype;
+    o.device = t.device();
+    if (t.storage()) o.category = t.storage()->category();
+    Tensor n = Tensor::empty(t.shape(), o);
+    kernels::cast(t, n);  // on any device
     n.set_requires_grad(t.requires_grad());
     converted.emplace(t.id(), n);
     return n;
@@ -326,7 +331,11 @@ absl::Status Module::load_state_dict(const StateDict& state, bool strict) {
   autograd::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) {
     if (dst.storage() == src->storage() && dst.offset_bytes() == src->offset_bytes()) continue;  // same bytes
-    dst.copy_(*src);
+    if (dst.device().is_cpu() && src->device().is_cpu()) {
+      dst.copy_(*src);
+    } else {
+      kernels::cast(*src, dst);  // to or from a device
+    }
   }
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/kernels/elementwise.h"
 #include "common/kernels/reduce.h"
 #include "common/tensor/trace_hook.h"
 
@@ -39,7 +40,20 @@ double PartialOf(absl::Span<const Tensor> grads, double norm_type) {
 void ScaleEach(absl::Span<const Tensor> grads, double factor) {
   const auto f = static_cast<float>(factor);
   for (const Tensor& g : grads) {
-    SK_CHECK(g.device().is_cpu()) << "scale_grads on " << g.describe();
+    SK_CHECK(g.dtype() != DType::i64) << "integer gradient " << g.describe();
+    if (g.device().is_cuda()) {  // fp32 arithmetic on the device, through an fp32 copy for bf16 / f16
+      if (g.dtype() == DType::f32) {
+        kernels::scale(f, g, g);
+        continue;
+      }
+      TensorOptions o;
+      o.device = g.device();
+      const Tensor tmp = Tensor::empty(g.shape(), o);
+      kernels::cast(g, tmp);
+      kernels::scale(f, tmp, tmp);
+      kernels::cast(tmp, g);
+      continue;
+    }
     switch (g.dtype()) {
       case DType::f32: ScaleLoop(g.data<float>(), g.numel(), f); break;
       case DType::bf16: ScaleLoop(g.data<bf16_t>(), g.numel(), f); break;

@@ -13,6 +13,7 @@
 #include "common/kernels/elementwise.h"
 #include "common/nn/nn.h"
 #include "common/optim/adam.h"
+#include "common/optim/clip_grad.h"
 #include "common/tensor/rank_context.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -231,6 +232,57 @@ TEST(OpsOnDevicesTest, MixedDevicesAreErrorsNamingBothTensors) {
               HasSubstr("expected i64 targets on cuda:0"));
   // A CPU-only op names itself.
   EXPECT_THAT(message([&] { softmax(w); }), HasSubstr("softmax: expected an f32 CPU tensor"));
+}
+
+TEST(OpsOnDevicesTest, BackwardRefusesAGradientOfAnotherDeviceOrDtype) {
+  std::vector<float> bytes(6);
+  Tensor root = LabelledCuda(bytes, {2, 3});
+  root.set_requires_grad(true);
+  try {
+    backward(root, Uniform({2, 3}, 36));
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), HasSubstr("expected a gradient of dtype f32 on cuda:0"));
+  }
+  Tensor cpu_root = Uniform({2, 3}, 37);
+  cpu_root.set_requires_grad(true);
+  try {
+    backward(cpu_root, Uniform({2, 3}, 38).to(DType::bf16));
+    ADD_FAILURE() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_THAT(e.what(), HasSubstr("expected a gradient of dtype f32 on cpu"));
+  }
+}
+
+TEST(CudaModuleTest, ClipToDtypeAndLoadStateDictOnADevice) {
+  SK_REQUIRE_CUDA_DEVICE("clipping, Module::to(DType) and load_state_dict on a GPU");
+  auto grads_of = [](nn::Module& m) {
+    std::vector<float> out;
+    for (const Tensor& p : m.parameters()) {
+      const std::vector<float> v = HostValues(p.grad());
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    return out;
+  };
+  nn::GPT cpu(gpt_tiny::TinyConfig(), 1), gpu(gpt_tiny::TinyConfig(), 2);
+  ASSERT_TRUE(gpu.load_state_dict(cpu.state_dict()).ok());  // CPU -> CPU, then moved
+  gpu.to(kGpu);
+  auto [x, y] = gpt_tiny::Batch(0, 0, 4);
+  backward(cpu.loss(x, y));
+  backward(gpu.loss(To(x, kGpu), To(y, kGpu)));
+  const double norm_cpu = optim::clip_grad_norm(cpu.parameters(), 0.1);
+  const double norm_gpu = optim::clip_grad_norm(gpu.parameters(), 0.1);
+  EXPECT_NEAR(norm_gpu, norm_cpu, 1e-4 * norm_cpu);
+  ExpectNear(grads_of(gpu), grads_of(cpu), 1e-4, "clipped gradient");
+  // load_state_dict from CPU tensors into a model on the device, then bf16 parameters there.
+  nn::GPT other(gpt_tiny::TinyConfig(), 3);
+  other.to(kGpu);
+  ASSERT_TRUE(other.load_state_dict(cpu.state_dict()).ok());
+  other.to(DType::bf16);
+  for (const Tensor& p : other.parameters()) {
+    EXPECT_TRUE(p.device() == kGpu && p.dtype() == DType::bf16) << p.describe();
+  }
+  ExpectNear(HostValues(other.parameters()[0]), cpu.parameters()[0].to_vector(), 1e-2, "bf16 parameter");
 }
 
 // ---- GPT-tiny on a GPU against the CPU -------------------------------------------------------------------------
