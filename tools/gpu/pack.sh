@@ -8,7 +8,7 @@
 # common/kernels/cuda/gemm.cu): this build asks for libcublas.so.<its CUDA major>; if the machine's PyTorch
 # carries another major, GEMM tests fail saying so, and the rest still runs.
 #
-# Usage: bash tools/gpu/pack.sh            then, with the device tool:
+# Usage: bash tools/gpu/pack.sh            then, with the device tool (each binary runs under its own 120-150 s timeout):
 #        run(command="bash gpu-pack/run.sh", carry=["gpu-pack"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -130,6 +130,8 @@ TEST(CudaOpsTest, ElementwiseWithAndWithoutBroadcast) {
                      [](const TensorList& t) { return add(t[0], t[1]); }, kTol);
   ExpectSameOnDevice({Uniform({4, 6, 8}, 12), Uniform({4, 6, 8}, 13)},
                      [](const TensorList& t) { return sub(t[0], t[1]); }, kTol);
+  ExpectSameOnDevice({Uniform({4, 6, 8}, 39), Uniform({8}, 40)},
+                     [](const TensorList& t) { return sub(t[0], t[1]); }, kTol);
   ExpectSameOnDevice({Uniform({4, 6, 8}, 14), Uniform({8}, 15)},
                      [](const TensorList& t) { return mul(t[0], t[1]); }, kTol);
   ExpectSameOnDevice({Uniform({5, 3}, 16)}, [](const TensorList& t) { return scale(t[0], -2.5f); }, kTol);
@@ -182,6 +184,8 @@ TEST(CudaOpsTest, NarrowSplitConcatAndCast) {
     std::vector<Tensor> parts = split(t[0], {2, 3, 4}, 1);
     return add(mul(parts[0], narrow(parts[2], 1, 0, 2)), narrow(parts[1], 1, 1, 2));
   }, kTol);
+  // An unused output: the engine fills its gradient with zeros on the device.
+  ExpectSameOnDevice({Uniform({4, 9, 5}, 41)}, [](const TensorList& t) { return split(t[0], {4, 5}, 1)[1]; }, kTol);
   ExpectSameOnDevice({Uniform({3, 2, 4}, 28), Uniform({3, 5, 4}, 29)},
                      [](const TensorList& t) { return concat({t[0], t[1]}, 1); }, kTol);
   ExpectSameOnDevice({Uniform({64}, 30)}, [](const TensorList& t) { return cast(cast(t[0], DType::bf16), DType::f32); },
@@ -299,8 +303,8 @@ TrainedGpt TrainGpt(Device device, int steps) {
   auto opt = optim::AdamW::make({{model.parameters(), optim::AdamW::default_hyper()}}, optim::AdamW::default_hyper());
   EXPECT_TRUE(opt.ok());
   TrainedGpt out;
+  auto [x, y] = gpt_tiny::Batch(0, 0, 8);  // one batch, every step: the loss must fall
   for (int step = 0; step < steps; ++step) {
-    auto [x, y] = gpt_tiny::Batch(step, 0, 8);
     (*opt)->zero_grad();
     Tensor loss = model.loss(To(x, device), To(y, device));
     out.losses.push_back(HostValues(loss)[0]);
@@ -321,7 +325,7 @@ TEST(CudaGptTrainingTest, TwentyAdamWStepsMatchTheCpu) {
   const TrainedGpt gpu = TrainGpt(kGpu, 20);
   ASSERT_EQ(gpu.losses.size(), cpu.losses.size());
   for (std::size_t i = 0; i < cpu.losses.size(); ++i) EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-3) << "step " << i;
-  EXPECT_LT(gpu.losses.back(), gpu.losses.front());
+  EXPECT_LT(gpu.losses.back(), gpu.losses.front() - 0.2);  // the CPU: 4.16 -> 3.87 on this one batch
   ExpectNear(gpu.params, cpu.params, 1e-3, "parameter");
 }
 
