@@ -33,7 +33,8 @@ MemoryCategory activation_category();
 Tensor new_activation(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
 Tensor zeros_activation(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
 
-// dst = src converted to dst's dtype, for tensors on any devices (kernels::cast).
+// dst = src converted to dst's dtype, for tensors on any devices: Tensor::copy_, except that a copy within a CUDA
+// device is only queued on the calling thread's stream (kernels::cast), not waited for.
 void copy_into(const Tensor& dst, const Tensor& src);
 
 }  // namespace shardkit::autograd::detail

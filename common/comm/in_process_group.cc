@@ -14,6 +14,7 @@
 #include "common/base/copy_bytes.h"
 #include "common/comm/completion_work.h"
 #include "common/comm/reduce_kernels.h"
+#include "common/tensor/device_memory.h"
 
 namespace shardkit::comm {
 namespace {
@@ -163,6 +164,52 @@ class InProcessWorldState {
 
 namespace {
 
+// Note [in-process CUDA tensors]: the ranks are threads of one process, but a CUDA tensor's bytes cannot be read
+// by the CPU algorithms below. A call on CUDA tensors therefore runs on host copies: the calling rank first waits
+// for the kernels it queued (run(), so the bytes are final whichever thread copies them), the worker copies the
+// byte range the call's tensors cover in each storage to host memory, runs the collective there, and copies the
+// output back before the Work completes. p2p copies go device to device. Correct for simulated ranks on one GPU
+// (the equivalence tests), not fast: every call crosses PCIe twice. Real multi-GPU training uses NCCL.
+bool OnDevice(const Tensor& t) { return t.defined() && t.device().is_cuda(); }
+
+// Host copies of the bytes [lo, hi) that a call's tensors cover in each storage, so tensors that share a storage
+// (an in-place all_gather whose input is a slice of its output) share the copy.
+class HostMirror {
+ public:
+  HostMirror(const Tensor& a, const Tensor& b) {
+    for (const Tensor* t : {&a, &b}) {
+      if (!t->defined()) continue;
+      Range& r = ranges_[t->storage().get()];
+      r.lo = std::min(r.lo, t->offset_bytes());
+      r.hi = std::max(r.hi, t->offset_bytes() + t->nbytes());
+      r.device = t->device();
+    }
+    for (auto& [storage, r] : ranges_) {
+      r.host = Storage::allocate(r.hi - r.lo, Device::cpu(), MemoryCategory::communication_buffer);
+      if (r.hi > r.lo) {
+        // Every dtype is a whole number of 2-byte units: copied as bf16, which is a byte copy.
+        const auto n = static_cast<std::int64_t>((r.hi - r.lo) / 2);
+        detail::cuda_copy(static_cast<const char*>(storage->data()) + r.lo, DType::bf16, r.device, r.host->data(),
+                          DType::bf16, Device::cpu(), n);
+      }
+    }
+  }
+  // `t` over the host copy (undefined stays undefined).
+  Tensor of(const Tensor& t) const {
+    if (!t.defined()) return t;
+    const Range& r = ranges_.at(t.storage().get());
+    return Tensor::over(r.host, t.offset_bytes() - r.lo, t.shape(), t.dtype());
+  }
+
+ private:
+  struct Range {
+    std::size_t lo = SIZE_MAX, hi = 0;
+    Device device;
+    std::shared_ptr<Storage> host;
+  };
+  std::map<const Storage*, Range> ranges_;
+};
+
 class InProcessGroup final : public ProcessGroup {
  public:
   InProcessGroup(std::shared_ptr<InProcessWorldState> world, std::shared_ptr<GroupState> g, int me,
@@ -209,8 +256,10 @@ class InProcessGroup final : public ProcessGroup {
   void spin_while_generation_is(std::uint64_t gen) const;
   absl::Status validate_locked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu_);
   void data_phase(const CollectiveCall& call);
-  // Runs one collective to completion: enter, data phase, leave.
+  // Runs one collective to completion: enter, data phase, leave (through host copies for CUDA tensors, Note
+  // [in-process CUDA tensors]).
   absl::Status execute(const CollectiveCall& call);
+  absl::Status execute_on_host(const CollectiveCall& call);
   // The worker thread's loop (Note [in-process progress engine]).
   void work_queue();
   std::shared_ptr<Work> run_p2p(CollectiveCall call);
@@ -410,13 +459,16 @@ void InProcessGroup::data_phase(const CollectiveCall& call) {
 }
 
 std::shared_ptr<Work> InProcessGroup::run(CollectiveCall call) {
-  for (const Tensor* t : {&call.input, &call.output}) {
-    if (t->defined() && !t->device().is_cpu()) {
-      absl::Status st = absl::InvalidArgumentError(
-          absl::StrCat(where(call), ": expected CPU tensors (in-process backend), found ", t->describe()));
+  if (OnDevice(call.input) || OnDevice(call.output)) {
+    if (call.input.defined() && call.output.defined() && call.input.device() != call.output.device()) {
+      absl::Status st = absl::InvalidArgumentError(absl::StrCat(
+          where(call), ": expected input and output on one device, found ", call.input.describe(), " and ",
+          call.output.describe()));
       abort(st);
       return make_completed_work(st);
     }
+    // Note [in-process CUDA tensors]: the bytes must be final before another thread copies them.
+    detail::cuda_synchronize(OnDevice(call.input) ? call.input.device() : call.output.device());
   }
   if (call.kind == CollectiveKind::send || call.kind == CollectiveKind::recv) return run_p2p(std::move(call));
   {
@@ -431,7 +483,18 @@ std::shared_ptr<Work> InProcessGroup::run(CollectiveCall call) {
   return work;
 }
 
+absl::Status InProcessGroup::execute_on_host(const CollectiveCall& call) {
+  const HostMirror mirror(call.input, call.output);
+  CollectiveCall host = call;
+  host.input = mirror.of(call.input);
+  host.output = mirror.of(call.output);
+  absl::Status st = execute(host);
+  if (st.ok() && call.output.defined()) call.output.copy_(host.output);
+  return st;
+}
+
 absl::Status InProcessGroup::execute(const CollectiveCall& call) {
+  if (OnDevice(call.input) || OnDevice(call.output)) return execute_on_host(call);
   CallDesc desc;
   desc.call = &call;
   if (call.input.defined()) desc.in = static_cast<char*>(call.input.raw_data());
@@ -545,8 +608,12 @@ std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {
     work->complete(st);
     return work;
   }
-  // Copy under the lock (Note [in-process p2p]).
-  copy_bytes(recv_t.raw_data(), send_t.raw_data(), send_t.nbytes());
+  // Copy under the lock (Note [in-process p2p]); device memory device to device (Note [in-process CUDA tensors]).
+  if (OnDevice(send_t) || OnDevice(recv_t)) {
+    recv_t.copy_(send_t);
+  } else {
+    copy_bytes(recv_t.raw_data(), send_t.raw_data(), send_t.nbytes());
+  }
   peer_entry.work->complete(absl::OkStatus());
   work->complete(absl::OkStatus());
   return work;

@@ -15,6 +15,8 @@ constexpr detail::CudaMemoryOps kMemory{
     .free = &detail::cuda_impl::cuda_free,
     .zero = &detail::cuda_impl::cuda_zero,
     .device_count = &detail::cuda_impl::cuda_device_count,
+    .copy = &detail::cuda_impl::cuda_copy,
+    .synchronize = &detail::cuda_impl::cuda_synchronize,
 };
 
 namespace kc = kernels::cuda::cuda_impl;

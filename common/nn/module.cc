@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/autograd/grad_mode.h"
-#include "common/kernels/elementwise.h"
 
 namespace shardkit::nn {
 namespace {
@@ -249,12 +248,7 @@ void Module::to(DType dtype) {
     if (!t.defined() || !is_floating(t.dtype()) || t.dtype() == dtype) return t;
     auto it = converted.find(t.id());
     if (it != converted.end()) return it->second;
-    TensorOptions o;
-    o.dtype = dtype;
-    o.device = t.device();
-    if (t.storage()) o.category = t.storage()->category();
-    Tensor n = Tensor::empty(t.shape(), o);
-    kernels::cast(t, n);  // on any device
+    Tensor n = t.to(dtype, t.storage() ? std::optional<MemoryCategory>(t.storage()->category()) : std::nullopt);
     n.set_requires_grad(t.requires_grad());
     converted.emplace(t.id(), n);
     return n;
@@ -275,7 +269,7 @@ void Module::to(Device device) {
     o.device = device;
     if (t.storage()) o.category = t.storage()->category();
     Tensor n = Tensor::empty(t.shape(), o);
-    kernels::cast(t, n);
+    n.copy_(t);
     n.set_requires_grad(t.requires_grad());
     moved.emplace(t.id(), n);
     return n;
@@ -331,11 +325,7 @@ absl::Status Module::load_state_dict(const StateDict& state, bool strict) {
   autograd::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) {
     if (dst.storage() == src->storage() && dst.offset_bytes() == src->offset_bytes()) continue;  // same bytes
-    if (dst.device().is_cpu() && src->device().is_cpu()) {
-      dst.copy_(*src);
-    } else {
-      kernels::cast(*src, dst);  // to or from a device
-    }
+    dst.copy_(*src);  // between any devices
   }
   return absl::OkStatus();
 }

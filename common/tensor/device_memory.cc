@@ -39,6 +39,20 @@ void cuda_zero(Device device, void* ptr, std::size_t nbytes) {
   ops->zero(device, ptr, nbytes);
 }
 
+void cuda_copy(const void* src, DType src_dtype, Device src_device, void* dst, DType dst_dtype, Device dst_device,
+               std::int64_t n) {
+  const CudaMemoryOps* ops = g_cuda_memory.get();
+  SK_CHECK(ops != nullptr) << "cannot copy from " << src_device.str() << " to " << dst_device.str() << ": "
+                           << cuda_unavailable_reason();
+  ops->copy(src, src_dtype, src_device, dst, dst_dtype, dst_device, n);
+}
+
+void cuda_synchronize(Device device) {
+  const CudaMemoryOps* ops = g_cuda_memory.get();
+  SK_CHECK(ops != nullptr) << "cannot synchronize " << device.str() << ": " << cuda_unavailable_reason();
+  ops->synchronize(device);
+}
+
 int cuda_device_count() noexcept {
   const CudaMemoryOps* ops = g_cuda_memory.get();
   return ops != nullptr ? ops->device_count() : 0;

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "common/tensor/device.h"
+#include "common/tensor/dtype.h"
 
 namespace shardkit::detail {
 
@@ -19,6 +21,13 @@ void cuda_free(Device device, void* ptr) noexcept;
 void cuda_zero(Device device, void* ptr, std::size_t nbytes);
 // Number of CUDA devices visible at run time (0 without the CUDA component or without a GPU).
 int cuda_device_count() noexcept;
+// Copies n elements from src (src_dtype on src_device) to dst (dst_dtype on dst_device), converted as
+// convert_elements does, where one side or both are CUDA memory (Tensor::copy_). Ordered after the kernels the
+// calling thread queued earlier, and synchronous: dst holds the values when it returns.
+void cuda_copy(const void* src, DType src_dtype, Device src_device, void* dst, DType dst_dtype, Device dst_device,
+               std::int64_t n);
+// Waits until every kernel the calling thread queued on `device` has finished.
+void cuda_synchronize(Device device);
 
 // Why CUDA is not available in this program: "shardkit was built without CUDA", or (a build with CUDA)
 // that the program does not link shardkit::cuda. Kernels and the NCCL backend use it in their errors.
@@ -30,18 +39,22 @@ struct CudaMemoryOps {
   decltype(&detail::cuda_free) free;
   decltype(&detail::cuda_zero) zero;
   decltype(&detail::cuda_device_count) device_count;
+  decltype(&detail::cuda_copy) copy;
+  decltype(&detail::cuda_synchronize) synchronize;
 };
 
 // Called once by shardkit::cuda's static initialiser; `ops` must outlive the program (a constant).
 void register_cuda_memory(const CudaMemoryOps* ops);
 
-// The CUDA implementation, defined in device_memory_cuda.cu (part of shardkit::cuda only; nothing in the
-// CPU libraries refers to these).
+// The CUDA implementation, defined in device_memory_cuda.cu and common/cuda/device_copy.cc (part of
+// shardkit::cuda only; nothing in the CPU libraries refers to these).
 namespace cuda_impl {
 decltype(detail::cuda_allocate) cuda_allocate;
 decltype(detail::cuda_free) cuda_free;
 decltype(detail::cuda_zero) cuda_zero;
 decltype(detail::cuda_device_count) cuda_device_count;
+decltype(detail::cuda_copy) cuda_copy;
+decltype(detail::cuda_synchronize) cuda_synchronize;
 }  // namespace cuda_impl
 
 }  // namespace shardkit::detail

@@ -35,6 +35,13 @@ void cuda_zero(Device device, void* ptr, std::size_t nbytes) {
                                << "): " << cudaGetErrorString(err);
 }
 
+void cuda_synchronize(Device device) {
+  SK_CHECK(device.is_cuda());
+  cudaError_t err = cudaSetDevice(device.index);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamPerThread);
+  SK_CHECK(err == cudaSuccess) << "synchronizing " << device.str() << ": " << cudaGetErrorString(err);
+}
+
 int cuda_device_count() noexcept {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;

@@ -294,8 +294,12 @@ const Tensor& Tensor::fill_(double value) const {
 const Tensor& Tensor::copy_(const Tensor& src) const {
   SK_CHECK_EQ(numel(), src.numel()) << "copy_ from " << src.describe() << " into " << describe();
   if (trace::Tracer* t = trace::active_tracer()) t->on_untraced_write(*this, "Tensor::copy_");
-  SK_CHECK(device().is_cpu() && src.device().is_cpu()) << "copy_ from " << src.describe() << " into " << describe();
-  convert_elements(src.raw_data(), src.dtype(), raw_data(), dtype(), numel());
+  if (numel() == 0) return *this;
+  if (device().is_cpu() && src.device().is_cpu()) {
+    convert_elements(src.raw_data(), src.dtype(), raw_data(), dtype(), numel());
+  } else {
+    detail::cuda_copy(src.raw_data(), src.dtype(), src.device(), raw_data(), dtype(), device(), numel());
+  }
   return *this;
 }
 

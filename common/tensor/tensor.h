@@ -10,8 +10,8 @@
 // Autograd: requires_grad, the grad slot and an opaque autograd metadata pointer live here so that
 // common/autograd can attach its graph without tensor/ knowing about it.
 //
-// Element access (data<T>(), fill_, copy_, to_vector) is for CPU tensors; CUDA tensors are moved with
-// the kernels in common/kernels.
+// Element access (data<T>(), fill_, to_vector) is for CPU tensors; CUDA tensors are computed on with the
+// kernels in common/kernels. copy_ / to / clone / zero_ work on any device.
 #pragma once
 
 #include <cstdint>
@@ -117,13 +117,15 @@ class Tensor {
   double item() const;
   std::vector<float> to_vector() const;  // converted to fp32 (CPU)
 
-  // ---- in-place and copies (CPU) -------------------------------------------------------------
+  // ---- in-place and copies ----------------------------------------------------------------------
   // These write the elements, not the handle, so they are const like every handle method.
   const Tensor& fill_(double value) const;
   const Tensor& zero_() const;  // on any device (fill_ is CPU only)
-  // Copies src's elements into this tensor (same numel), converting dtype.
+  // Copies src's elements into this tensor (same numel), converting dtype, between any two devices. With a
+  // CUDA side it is ordered after the calling thread's earlier kernels and returns once the values are in place
+  // (detail::cuda_copy). Overlapping source and destination are not allowed.
   const Tensor& copy_(const Tensor& src) const;
-  // A new tensor with this one's values in `dtype` (charged like any new tensor).
+  // A new tensor with this one's values in `dtype`, on this tensor's device (charged like any new tensor).
   Tensor to(DType dtype, std::optional<MemoryCategory> category = std::nullopt) const;
   Tensor clone(std::optional<MemoryCategory> category = std::nullopt) const;
 

@@ -8,11 +8,11 @@
 # common/kernels/cuda/gemm.cu): this build asks for libcublas.so.<its CUDA major>; if the machine's PyTorch
 # carries another major, GEMM tests fail saying so, and the rest still runs.
 #
-# Usage: bash tools/gpu/pack.sh            then, with the device tool (each binary runs under its own 120-150 s timeout):
+# Usage: bash tools/gpu/pack.sh   then, with the device tool (each binary runs under its own 120-150 s timeout):
 #        run(command="bash gpu-pack/run.sh", carry=["gpu-pack"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-targets=(tensor_test kernels_test autograd_cuda_ops_test optim_test comm_nccl_test optim_bench_cuda model_bench_cuda)
+targets=(tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test optim_test comm_nccl_test optim_bench_cuda model_bench_cuda)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDKIT_NATIVE=OFF -DSHARDKIT_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 > /dev/null
 cmake --build build-gpu -j"$(nproc)" --target "${targets[@]}"
