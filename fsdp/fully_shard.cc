@@ -96,6 +96,13 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   if (!params.ok()) return params.status();
   std::vector<Tensor> originals;
   for (const FSDPParam& p : *params) originals.push_back(p.registrations.front().first->parameter(p.registrations.front().second));
+  for (std::size_t i = 0; i < originals.size(); ++i) {
+    if (originals[i].defined() && !originals[i].device().is_cpu()) {
+      return absl::UnimplementedError(absl::StrCat(
+          "fully_shard: parameter '", (*params)[i].names.front(), "' is on ", originals[i].device().str(),
+          "; fsdp/ runs on CPU ranks only so far (DDP, OSS and ShardedDDP train on CUDA devices)"));
+    }
+  }
   std::unique_ptr<ParamGroup> pg;
   if (!params->empty()) {
     pg = std::make_unique<ParamGroup>(absl::StrCat(module.type_name(), " '", params->front().names.front(), "'..."),

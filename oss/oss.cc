@@ -124,7 +124,9 @@ void Oss::make_flat_buffer(std::size_t g) {
     if (p.dtype() != params.front().dtype()) return;
   }
   const MemoryCategory category = params.front().storage()->category();
-  Tensor flat = Tensor::zeros({padded}, TensorOptions{}.with_dtype(params.front().dtype()).with_category(category));
+  Tensor flat = Tensor::zeros(
+      {padded},
+      TensorOptions{}.with_dtype(params.front().dtype()).with_device(params.front().device()).with_category(category));
   std::int64_t flat_offset = 0;
   for (const Tensor& p : params) {
     const auto c = static_cast<std::size_t>(flat_.chunk_of(static_cast<int>(g), flat_offset));  // whole in it

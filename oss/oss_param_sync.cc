@@ -100,7 +100,7 @@ absl::Status Oss::sync_params() {
       Bucket& b = plan[k];
       const bool in_place = b.params.size() == 1 && b.wire == b.params[0].dtype();
       if (!in_place) {
-        b.buffer = Tensor::empty({b.numel}, TensorOptions{}.with_dtype(b.wire));
+        b.buffer = Tensor::empty({b.numel}, TensorOptions{}.with_dtype(b.wire).with_device(b.params[0].device()));
         if (b.owner == rank) {
           std::int64_t off = 0;
           for (const Tensor& p : b.params) {
@@ -148,7 +148,7 @@ absl::Status Oss::sync_params() {
         1, options_.bucket_bytes / static_cast<std::int64_t>(dtype_size(wire)) / world);
     for (std::int64_t c0 = 0; c0 < fc.shard_size; c0 += column) {
       const std::int64_t len = std::min(column, fc.shard_size - c0);
-      Tensor out = Tensor::empty({len * world}, TensorOptions{}.with_dtype(wire));
+      Tensor out = Tensor::empty({len * world}, TensorOptions{}.with_dtype(wire).with_device(params.front().device()));
       const Tensor in = out.view(rank * len, {len});
       const std::int64_t my_begin = fc.begin(rank) + c0;
       const std::int64_t my_n = std::clamp<std::int64_t>(fc.end(rank) - my_begin, 0, len);

@@ -22,7 +22,19 @@ void scaled_copy(const Tensor& src, const Tensor& dst, float scale) {
     return;
   }
   if (src.dtype() == DType::f32 && dst.dtype() == DType::f32) {
-    kernels::scale(scale, src.data<float>(), dst.data<float>(), src.numel());
+    kernels::scale(scale, src, dst);  // any device
+    return;
+  }
+  if (dst.device().is_cuda()) {  // convert, then scale in fp32 on the device
+    if (dst.dtype() == DType::f32) {
+      dst.copy_(src);
+      kernels::scale(scale, dst, dst);
+    } else {
+      const Tensor tmp = Tensor::empty(src.shape(), TensorOptions{}.with_device(dst.device()));
+      tmp.copy_(src);
+      kernels::scale(scale, tmp, tmp);
+      dst.copy_(tmp);
+    }
     return;
   }
   constexpr std::int64_t kChunk = 2048;
@@ -66,6 +78,12 @@ Reducer::Reducer(ReduceStrategy strategy, std::vector<ReducerParam> params, std:
       options_(options) {
   rank_ = pg_->rank();
   world_ = pg_->size();
+  if (!params_.empty()) device_ = params_[0].param.device();
+  for (const ReducerParam& p : params_) {
+    SK_CHECK(p.param.device() == device_) << "the reducer's parameters are on different devices: " << p.name << " is "
+                                          << p.param.describe() << ", " << params_[0].name << " is on "
+                                          << device_.str();
+  }
   piece_grads_.resize(pieces_.size());
   std::vector<int> order(params_.size());
   std::iota(order.begin(), order.end(), 0);
@@ -295,7 +313,10 @@ void Reducer::copy_in(int index) {
   const ReducerParam& rp = params_[static_cast<std::size_t>(index)];
   Tensor g = rp.param.grad();
   if (!g.defined()) {
-    g = Tensor::zeros(rp.param.shape(), TensorOptions{}.with_dtype(rp.param.dtype()).with_category(MemoryCategory::gradient));
+    g = Tensor::zeros(rp.param.shape(), TensorOptions{}
+                                            .with_dtype(rp.param.dtype())
+                                            .with_device(device_)
+                                            .with_category(MemoryCategory::gradient));
     rp.param.set_grad(g);
   }
   const float scale = 1.0f / static_cast<float>(world_);
@@ -305,10 +326,11 @@ void Reducer::copy_in(int index) {
     const Entry& e = b.entries[static_cast<std::size_t>(ei)];
     if (b.in_place) {
       in_place = true;
-      if (world_ > 1) kernels::scale(scale, g.data<float>(), g.data<float>(), g.numel());
+      if (world_ > 1) kernels::scale(scale, g, g);
     } else {
       if (!b.buffer.defined()) {
-        const TensorOptions o = TensorOptions{}.with_dtype(b.dtype).with_category(MemoryCategory::communication_buffer);
+        const TensorOptions o =
+            TensorOptions{}.with_dtype(b.dtype).with_device(device_).with_category(MemoryCategory::communication_buffer);
         b.buffer = b.has_gaps ? Tensor::zeros({b.numel}, o) : Tensor::empty({b.numel}, o);
       }
       scaled_copy(flat_view(g, e.param_offset, e.length), flat_view(b.buffer, e.bucket_offset, e.length), scale);
@@ -340,7 +362,8 @@ void Reducer::launch(int bi) {
       b.work = pg_->reduce(t, {.root = b.root, .timeout = timeout(), .tag = tag});
       break;
     case ReduceStrategy::reduce_scatter:
-      b.output = Tensor::empty({b.width}, TensorOptions{}.with_dtype(b.dtype).with_category(MemoryCategory::communication_buffer));
+      b.output = Tensor::empty({b.width}, TensorOptions{}.with_dtype(b.dtype).with_device(device_).with_category(
+                                              MemoryCategory::communication_buffer));
       b.work = pg_->reduce_scatter(b.output, b.buffer, {.timeout = timeout(), .tag = tag});
       break;
   }
@@ -370,7 +393,8 @@ void Reducer::finish(int bi) {
       if (!pg.defined()) {
         const FlatPiece& fp = pieces_[static_cast<std::size_t>(o.piece)];
         const DType d = params_[static_cast<std::size_t>(b.entries[0].param)].param.dtype();
-        pg = Tensor::empty({fp.length}, TensorOptions{}.with_dtype(d).with_category(MemoryCategory::gradient));
+        pg = Tensor::empty({fp.length},
+                           TensorOptions{}.with_dtype(d).with_device(device_).with_category(MemoryCategory::gradient));
       }
       flat_view(pg, o.piece_offset, o.length).copy_(flat_view(src, o.out_offset, o.length));
     }

@@ -205,6 +205,7 @@ class Reducer {
   std::shared_ptr<comm::ProcessGroup> pg_;
   ReducerOptions options_;
   int rank_ = 0, world_ = 1;
+  Device device_;  // where every parameter, gradient and bucket lives
 
   std::vector<Bucket> buckets_;
   std::vector<ParamSlot> slots_;

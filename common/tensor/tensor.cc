@@ -313,6 +313,16 @@ Tensor Tensor::to(DType dtype, std::optional<MemoryCategory> category) const {
   return t;
 }
 
+Tensor Tensor::to(Device device, std::optional<MemoryCategory> category) const {
+  TensorOptions o;
+  o.dtype = dtype();
+  o.device = device;
+  o.category = category;
+  Tensor t = empty(shape(), o);
+  t.copy_(*this);
+  return t;
+}
+
 Tensor Tensor::clone(std::optional<MemoryCategory> category) const { return to(dtype(), category); }
 
 Tensor Tensor::view(std::int64_t element_offset, const Shape& shape) const {

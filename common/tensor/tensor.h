@@ -59,6 +59,7 @@ struct TensorOptions {
 
   TensorOptions with_dtype(DType d) const { TensorOptions o = *this; o.dtype = d; return o; }
   TensorOptions with_category(MemoryCategory c) const { TensorOptions o = *this; o.category = c; return o; }
+  TensorOptions with_device(Device d) const { TensorOptions o = *this; o.device = d; return o; }
 };
 
 class Tensor;
@@ -127,6 +128,8 @@ class Tensor {
   const Tensor& copy_(const Tensor& src) const;
   // A new tensor with this one's values in `dtype`, on this tensor's device (charged like any new tensor).
   Tensor to(DType dtype, std::optional<MemoryCategory> category = std::nullopt) const;
+  // A new tensor with this one's values and dtype on `device` (charged like any new tensor).
+  Tensor to(Device device, std::optional<MemoryCategory> category = std::nullopt) const;
   Tensor clone(std::optional<MemoryCategory> category = std::nullopt) const;
 
   // ---- views (share storage; a view has no grad slot of its own) -----------------------------

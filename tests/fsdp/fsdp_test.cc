@@ -181,6 +181,24 @@ TEST(FsdpErrors, ReshardToAGroupThatDoesNotDivideTheWorld) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// Parameters on a CUDA device are refused by name before anything is sharded (here a tensor labelled cuda:0 over
+// host bytes: no device is touched).
+TEST(FsdpErrors, ParametersOnACudaDeviceAreUnimplemented) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    std::vector<float> bytes(12);
+    Tensor w = Tensor::over(Storage::borrow(bytes.data(), bytes.size() * sizeof(float), Device::cuda(0)), 0, {4, 3},
+                            DType::f32);
+    w.set_requires_grad(true);
+    nn::Linear lin(w);
+    auto s = fully_shard(lin, env.group_ptr);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_THAT(std::string(s.status().message()),
+                ::testing::HasSubstr("fully_shard: parameter 'weight' is on cuda:0; fsdp/ runs on CPU ranks only"));
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 // Several forwards before one backward, and gradients accumulated over two backwards, at n = 2 and 4 (rows
 // per rank stay even).
 TEST(FsdpGptPasses, TwoForwardsOneBackwardAndTwoBackwardsAccumulate) {

@@ -8,6 +8,7 @@
 #include "common/optim/sgd.h"
 #include "oss/oss.h"
 #include "sddp/data_parallel.h"
+#include "tests/common/tensor/cuda_test_util.h"
 #include "tests/sddp/sddp_test_util.h"
 
 namespace shardkit::sddp {
@@ -84,8 +85,9 @@ struct Trainer {
   std::vector<Tensor> params;
 };
 
+// `device`: where the model already is; each step's batch goes there too.
 absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, DataParallelOptions options,
-                      int freeze_at = -1) {
+                      int freeze_at = -1, Device device = Device::cpu()) {
   auto t = Trainer::make(mode, model, env.group_ptr, options);
   if (!t.ok()) return t.status();
   const int rows = kBatch / env.world_size;
@@ -93,7 +95,7 @@ absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, 
     if (step == freeze_at) test_util::FreezeBlock0(model);
     auto [x, y] = Batch(step, env.rank * rows, rows);
     t->zero_grad();
-    if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
+    if (absl::Status s = autograd::try_backward(model.loss(x.to(device), y.to(device))); !s.ok()) return s;
     if (absl::Status s = t->step(); !s.ok()) return s;
   }
   if (t->dp->num_buckets() < 2 && options.reduce_buffer_size > 0 && options.reduce_buffer_size < t->dp->trainable_numel() / 2 && env.world_size > 1) {
@@ -124,6 +126,42 @@ INSTANTIATE_TEST_SUITE_P(Ranks, SddpGpt,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
                                             ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::sddp_greedy,
                                                               Mode::sddp_flat, Mode::sddp_flat_owner)),
+                         [](const auto& info) {
+                           return ModeName(std::get<1>(info.param)) + "_n" + std::to_string(std::get<0>(info.param));
+                         });
+
+// The same on one GPU (Note [in-process CUDA tensors]): every rank's model and batch on cuda:0, against
+// single-rank training on that GPU.
+class SddpGptCuda : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
+
+std::vector<std::vector<std::vector<float>>> TrainOnGpu(int world, Mode mode, int steps) {
+  std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
+  absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    model.to(Device::cuda(0));
+    if (absl::Status s = RunSteps(mode, env, model, steps, {.reduce_buffer_size = 300}, -1, Device::cuda(0));
+        !s.ok()) {
+      return s;
+    }
+    got[static_cast<std::size_t>(env.rank)] = Values(model);
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+  return got;
+}
+
+TEST_P(SddpGptCuda, TwentyStepsOnOneGpuEqualSingleRankGpuTraining) {
+  SK_REQUIRE_CUDA_DEVICE("DDP / OSS / ShardedDDP with simulated ranks on one GPU");
+  const auto [world, mode] = GetParam();
+  static const auto want = TrainOnGpu(1, Mode::ddp, 20)[0];
+  test_util::ExpectMatches(TrainOnGpu(world, mode, 20), want, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, SddpGptCuda,
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::oss_flat_ddp,
+                                                              Mode::sddp_greedy, Mode::sddp_flat,
+                                                              Mode::sddp_flat_owner)),
                          [](const auto& info) {
                            return ModeName(std::get<1>(info.param)) + "_n" + std::to_string(std::get<0>(info.param));
                          });

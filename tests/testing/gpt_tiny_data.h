@@ -39,9 +39,18 @@ inline std::pair<Tensor, Tensor> Batch(int step, int row0, int rows) {
 }
 
 // Every parameter's values, in parameters() order.
+// Every parameter's values, copied to the host when on a device.
 inline std::vector<std::vector<float>> Values(const nn::Module& m) {
   std::vector<std::vector<float>> out;
-  for (const Tensor& p : m.parameters()) out.push_back(p.to_vector());
+  for (const Tensor& p : m.parameters()) {
+    if (p.device().is_cpu()) {
+      out.push_back(p.to_vector());
+    } else {
+      Tensor host = Tensor::empty(p.shape(), TensorOptions{}.with_dtype(p.dtype()));
+      host.copy_(p);
+      out.push_back(host.to_vector());
+    }
+  }
   return out;
 }
 

@@ -19,7 +19,7 @@ export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   for b in "$here"/bin/*; do echo "== ldd $(basename "$b")"; ldd "$b" | grep -E 'not found|nccl|cublas|cudart'; done
 } > "$out/machine.txt" 2>&1
 : > "$out/summary.txt"
-for t in tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test optim_test comm_nccl_test; do
+for t in tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test optim_test comm_nccl_test; do
   timeout 120 "$here/bin/$t" --gtest_filter='*Cuda*:*cuda*:*Nccl*' > "$out/$t.txt" 2>&1
   rc=$?
   echo "$t exit $rc: $(grep -E '^\[  (PASSED  |FAILED  |SKIPPED )\] [0-9]+ test' "$out/$t.txt" | tr '\n' ' ')" >> "$out/summary.txt"
