@@ -22,6 +22,7 @@ for t in "${targets[@]}"; do
   bin=$(find build-gpu -type f -name "$t" -perm -u+x | head -1)
   [[ -n "$bin" ]] || { echo "pack: $t was not built"; exit 1; }
   cp "$bin" gpu-pack/bin/
+  strip --strip-unneeded "gpu-pack/bin/$t"  # symbol tables: about a fifth of each binary
   # Every library the loader resolves to a file, but the C runtime (present everywhere) and the GPU-side
   # libraries listed above.
   ldd "$bin" | awk '$3 ~ /^\// {print $3}' |
