@@ -121,7 +121,16 @@ class NcclWork final : public Work {
   NcclWork(std::shared_ptr<NcclShared> shared, cudaEvent_t done, CollectiveCall call, std::string where)
       : shared_(std::move(shared)), done_(done), call_(std::move(call)), where_(std::move(where)) {}
   ~NcclWork() override {
-    if (done_ != nullptr) cudaEventDestroy(done_);
+    if (done_ == nullptr) return;
+    // A Work dropped before its collective finished: the call's tensors (released with this object) must outlive
+    // it (Note [device memory from the stream-ordered pool] in common/tensor/device_memory_cuda.cu).
+    bool finished = false;
+    {
+      absl::MutexLock lock(&mu_);
+      finished = finished_;
+    }
+    if (!finished && shared_->status().ok()) cudaEventSynchronize(done_);
+    cudaEventDestroy(done_);
   }
 
   bool is_completed() const override {
