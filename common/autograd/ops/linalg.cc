@@ -28,6 +28,11 @@ void Gemms(Device device, std::int64_t batches, bool ta, bool tb, MatDims d, con
            float* c, float beta) {
   const std::int64_t lda = ta ? d.m : d.k;
   const std::int64_t ldb = tb ? d.k : d.n;
+  if (device.is_cuda() && batches > 1) {  // one launch for every batch
+    kernels::cuda::gemm_strided_batched(device, ta, tb, d.m, d.n, d.k, 1.f, a, lda, d.m * d.k, b, ldb, d.k * d.n,
+                                        beta, c, d.n, d.m * d.n, batches);
+    return;
+  }
   for (std::int64_t i = 0; i < batches; ++i) {
     detail::gemm_on(device, ta, tb, d.m, d.n, d.k, 1.f, a + i * d.m * d.k, lda, b + i * d.k * d.n, ldb, beta,
                     c + i * d.m * d.n, d.n);

@@ -317,14 +317,20 @@ __global__ void CrossEntropyBackwardKernel(const float* x, const std::int64_t* t
 }
 
 // ---- embedding ----------------------------------------------------------------------------------------------
+__global__ void CheckIndicesKernel(const std::int64_t* idx, std::int64_t n, std::int64_t vocab,
+                                   unsigned long long* bad) {
+  SK_NN_GRID_STRIDE(i, n) {
+    if (idx[i] < 0 || idx[i] >= vocab) atomicMin(bad, static_cast<unsigned long long>(i));
+  }
+}
+
 __global__ void EmbeddingKernel(const float* w, const std::int64_t* idx, float* y, std::int64_t n, std::int64_t c,
-                                std::int64_t vocab, unsigned long long* bad) {
+                                std::int64_t vocab) {
   SK_NN_GRID_STRIDE(i, n * c) {
     const std::int64_t row = i / c;
     const std::int64_t k = idx[row];
     if (k < 0 || k >= vocab) {
-      if (i % c == 0) atomicMin(bad, static_cast<unsigned long long>(row));
-      y[i] = 0.f;
+      y[i] = 0.f;  // reported by CheckIndicesKernel
     } else {
       y[i] = w[k * c + i % c];
     }
@@ -464,12 +470,15 @@ void cross_entropy_backward(Device device, const float* logits, const std::int64
 
 std::int64_t embedding(Device device, const float* weight, const std::int64_t* indices, float* y, std::int64_t n,
                        std::int64_t c, std::int64_t vocab) {
-  if (n * c == 0) return -1;
+  if (n == 0) return -1;
   DeviceGuard guard(device);
   FirstBad bad;
-  EmbeddingKernel<<<GridFor(n * c, 65536), kThreads, 0, cudaStreamPerThread>>>(weight, indices, y, n, c, vocab,
-                                                                               bad.get());
-  CheckLaunch("cuda::embedding");
+  CheckIndicesKernel<<<GridFor(n), kThreads, 0, cudaStreamPerThread>>>(indices, n, vocab, bad.get());
+  CheckLaunch("cuda::embedding (indices)");
+  if (c > 0) {
+    EmbeddingKernel<<<GridFor(n * c, 65536), kThreads, 0, cudaStreamPerThread>>>(weight, indices, y, n, c, vocab);
+    CheckLaunch("cuda::embedding");
+  }
   return bad.Read();
 }
 
