@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -18,16 +19,22 @@ Oss::Oss(std::vector<optim::ParamGroup> groups, std::shared_ptr<comm::ProcessGro
 Oss::~Oss() = default;
 
 namespace {
+// `device`: where every parameter must be (one CPU or CUDA device: the flat buffers and broadcast buckets hold
+// parameters side by side); empty = the first parameter's.
 absl::Status CheckParams(const std::vector<optim::ParamGroup>& groups, std::set<const TensorImpl*>& seen,
-                         std::size_t first_group) {
+                         std::size_t first_group, std::optional<Device> device = std::nullopt) {
   for (std::size_t g = 0; g < groups.size(); ++g) {
     for (std::size_t i = 0; i < groups[g].params.size(); ++i) {
       const Tensor& p = groups[g].params[i];
       const std::string where = absl::StrCat("param group ", first_group + g, ", parameter ", i);
       if (!p.defined()) return absl::InvalidArgumentError(absl::StrCat(where, ": expected a tensor, found undefined"));
-      if (!is_floating(p.dtype()) || !p.device().is_cpu()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": expected a floating-point CPU tensor, found ", p.describe()));
+      if (!is_floating(p.dtype())) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": expected a floating-point tensor, found ", p.describe()));
+      }
+      if (!device) device = p.device();
+      if (p.device() != *device) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": expected every parameter on one device, ",
+                                                       device->str(), ", found ", p.describe()));
       }
       if (!seen.insert(p.id()).second) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": expected each parameter once, found a repeat"));
@@ -151,7 +158,11 @@ std::vector<optim::ParamGroup> Oss::local_groups(std::size_t first_group) const 
 absl::Status Oss::add_param_group(optim::ParamGroup group) {
   std::set<const TensorImpl*> seen;
   if (absl::Status s = CheckParams(groups_, seen, 0); !s.ok()) return s;
-  if (absl::Status s = CheckParams({group}, seen, groups_.size()); !s.ok()) return s;
+  std::optional<Device> device;
+  for (const optim::ParamGroup& g : groups_) {
+    if (!g.params.empty()) device = g.params.front().device();
+  }
+  if (absl::Status s = CheckParams({group}, seen, groups_.size(), device); !s.ok()) return s;
   const std::size_t g = groups_.size();
   groups_.push_back(std::move(group));
   partition();

@@ -494,7 +494,17 @@ absl::Status InProcessGroup::execute_on_host(const CollectiveCall& call) {
 }
 
 absl::Status InProcessGroup::execute(const CollectiveCall& call) {
-  if (OnDevice(call.input) || OnDevice(call.output)) return execute_on_host(call);
+  if (OnDevice(call.input) || OnDevice(call.output)) {
+    // A CUDA error in a copy (a sticky error an earlier kernel left) fails the world: peers waiting in this call
+    // hear of it instead of waiting for the deadline, and the worker thread survives.
+    try {
+      return execute_on_host(call);
+    } catch (const std::exception& e) {
+      absl::Status st = absl::InternalError(absl::StrCat(where(call), ": ", e.what()));
+      abort(st);
+      return st;
+    }
+  }
   CallDesc desc;
   desc.call = &call;
   if (call.input.defined()) desc.in = static_cast<char*>(call.input.raw_data());
@@ -610,7 +620,16 @@ std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {
   }
   // Copy under the lock (Note [in-process p2p]); device memory device to device (Note [in-process CUDA tensors]).
   if (OnDevice(send_t) || OnDevice(recv_t)) {
-    recv_t.copy_(send_t);
+    try {
+      recv_t.copy_(send_t);
+    } catch (const std::exception& e) {
+      absl::Status st = absl::InternalError(absl::StrCat("send from ", g_->rank_str(src), " to ", g_->rank_str(dst),
+                                                         " on group '", g_->name, "': ", e.what()));
+      world_->fail_locked(st);
+      peer_entry.work->complete(st);
+      work->complete(st);
+      return work;
+    }
   } else {
     copy_bytes(recv_t.raw_data(), send_t.raw_data(), send_t.nbytes());
   }

@@ -129,7 +129,7 @@ class NcclWork final : public Work {
       absl::MutexLock lock(&mu_);
       finished = finished_;
     }
-    if (!finished && shared_->status().ok()) cudaEventSynchronize(done_);
+    if (!finished) (void)wait(absl::InfiniteDuration());  // bounded by the call's deadline; a failure aborts
     cudaEventDestroy(done_);
   }
 

@@ -210,6 +210,31 @@ INSTANTIATE_TEST_SUITE_P(Ranks, OssEquivalence,
                                   std::to_string(std::get<0>(info.param));
                          });
 
+// Parameters on two devices are refused by name, at create and at add_param_group (a tensor labelled cuda:0 over
+// host bytes: no device is touched).
+TEST(OssErrors, ParametersOnTwoDevicesAreInvalid) {
+  absl::Status st = RunRanks(2, [&](RankEnv& env) -> absl::Status {
+    std::vector<float> bytes(6);
+    Tensor on_gpu = Tensor::over(Storage::borrow(bytes.data(), bytes.size() * sizeof(float), Device::cuda(0)), 0,
+                                 {2, 3}, DType::f32);
+    on_gpu.set_requires_grad(true);
+    std::vector<Tensor> params = MakeParams(kShapes, 7);
+    std::vector<Tensor> mixed = params;
+    mixed.push_back(on_gpu);
+    auto bad = Oss::create({{mixed, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(bad.status().message()),
+                ::testing::HasSubstr("expected every parameter on one device, cpu, found f32[2, 3] cuda:0"));
+    auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr);
+    if (!oss.ok()) return oss.status();
+    absl::Status added = (*oss)->add_param_group({{on_gpu}, optim::AdamW::default_hyper()});
+    EXPECT_EQ(added.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(added.message()), ::testing::HasSubstr("expected every parameter on one device, cpu"));
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 // Low-precision broadcast: every rank (the owner too) ends with the parameters rounded to bf16, identical
 // everywhere, and close to the full-precision run.
 TEST(OssBroadcastDtype, Bf16BroadcastKeepsRanksIdentical) {

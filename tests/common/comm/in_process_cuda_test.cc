@@ -5,6 +5,7 @@
 
 #include "common/comm/process_group.h"
 #include "common/comm/testing/run_ranks.h"
+#include "common/kernels/elementwise.h"
 #include "gtest/gtest.h"
 #include "tests/common/tensor/cuda_test_util.h"
 
@@ -41,8 +42,11 @@ TEST(InProcessCudaTest, EveryCollectiveEqualsTheSameOnCpuTensors) {
   for (int n : {2, 3}) {
     absl::Status st = RunRanks(n, [n](RankEnv& env) -> absl::Status {
       const int r = env.rank;
-      // all_reduce in place
+      // all_reduce in place, of a tensor a kernel still queued on this thread's stream writes (the backend must
+      // wait for it)
       Tensor cpu = Input(r), gpu = OnGpu(Input(r));
+      kernels::scale(3.f, cpu, cpu);
+      kernels::scale(3.f, gpu, gpu);
       if (absl::Status s = env.group.all_reduce(cpu)->wait(); !s.ok()) return s;
       if (absl::Status s = env.group.all_reduce(gpu)->wait(); !s.ok()) return s;
       EXPECT_EQ(HostOf(gpu), Host(cpu)) << "all_reduce n=" << n;
