@@ -18,10 +18,10 @@
 #include <vector>
 
 #include "bench/thread_timing.h"
+#include "bench/timed_steps.h"
 #include "benchmark/benchmark.h"
 #include "common/autograd/engine.h"
 #include "common/kernels/cuda/cuda_kernels.h"
-#include "common/kernels/elementwise.h"
 #include "common/nn/gpt.h"
 #include "common/optim/adam.h"
 #include "common/tensor/device_memory.h"
@@ -33,21 +33,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 const Device kGpu = Device::cuda(0);
 
-Tensor OnGpu(const Tensor& t) {
-  TensorOptions o;
-  o.dtype = t.dtype();
-  o.device = kGpu;
-  Tensor out = Tensor::empty(t.shape(), o);
-  kernels::cast(t, out);
-  return out;
-}
-
 // The first element, copied to the host: synchronous, so every kernel queued before it has finished.
-float ReadFirst(const Tensor& t) {
-  Tensor one = Tensor::empty({1});
-  kernels::cast(t.view(0, {1}), one);
-  return one.data<float>()[0];
-}
+float ReadFirst(const Tensor& t) { return t.view(0, {1}).to(Device::cpu()).data<float>()[0]; }
 
 // fp32 GEMM TFLOP/s of cuBLAS on this device: best of 5 products of 4096^3.
 double GemmTflops() {
@@ -94,8 +81,8 @@ void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name
     in[i] = static_cast<std::int64_t>(data.next_below(static_cast<std::uint64_t>(config.vocab_size)));
     target[i] = static_cast<std::int64_t>(data.next_below(static_cast<std::uint64_t>(config.vocab_size)));
   }
-  const Tensor idx = OnGpu(Tensor::from_int64(in, {batch, seq}));
-  const Tensor targets = OnGpu(Tensor::from_int64(target, {batch, seq}));
+  const Tensor idx = Tensor::from_int64(in, {batch, seq}).to(kGpu);
+  const Tensor targets = Tensor::from_int64(target, {batch, seq}).to(kGpu);
   auto step = [&] {
     (*opt)->zero_grad();
     Tensor loss = gpt.loss(idx, targets);
@@ -110,19 +97,9 @@ void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name
       return;
     }
   }
-  std::vector<double> step_s;
-  for (auto _ : state) {
-    const auto t0 = Clock::now();
-    const absl::Status s = step();
-    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (!s.ok()) {
-      state.SkipWithError(std::string(s.message()).c_str());
-      return;
-    }
-    state.SetIterationTime(dt);
-    step_s.push_back(dt);
-  }
-  const double median = bench::Median(step_s);
+  const std::optional<std::vector<double>> step_s = bench::TimedSteps(state, step);
+  if (!step_s) return;
+  const double median = bench::Median(*step_s);
   const double tokens = static_cast<double>(batch * seq);
   const double c = static_cast<double>(config.width);
   const double non_embedding = static_cast<double>(config.num_layers) * 12 * c * c;

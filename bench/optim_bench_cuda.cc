@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench/thread_timing.h"
+#include "bench/timed_steps.h"
 #include "benchmark/benchmark.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/elementwise.h"
@@ -101,20 +102,13 @@ void BM_CudaAdamW(benchmark::State& state, std::vector<std::int64_t> numels, DTy
     return;
   }
   Drain(params[0]);
-  std::vector<double> step_s;
-  for (auto _ : state) {
-    const auto t0 = Clock::now();
+  const std::optional<std::vector<double>> step_s = bench::TimedSteps(state, [&] {
     const absl::Status s = opt.step();
     Drain(params[0]);
-    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (!s.ok()) {
-      state.SkipWithError(std::string(s.message()).c_str());
-      return;
-    }
-    state.SetIterationTime(dt);
-    step_s.push_back(dt);
-  }
-  const double gbps = 28.0 * static_cast<double>(total) / bench::Median(step_s) * 1e-9;
+    return s;
+  });
+  if (!step_s) return;
+  const double gbps = 28.0 * static_cast<double>(total) / bench::Median(*step_s) * 1e-9;
   const double copy = CopyBandwidth() * 1e-9;
   state.counters["elements"] = static_cast<double>(total);
   state.counters["tensors"] = static_cast<double>(numels.size());

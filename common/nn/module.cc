@@ -264,12 +264,7 @@ void Module::to(Device device) {
     if (!t.defined() || t.device() == device) return t;
     auto it = moved.find(t.id());
     if (it != moved.end()) return it->second;
-    TensorOptions o;
-    o.dtype = t.dtype();
-    o.device = device;
-    if (t.storage()) o.category = t.storage()->category();
-    Tensor n = Tensor::empty(t.shape(), o);
-    n.copy_(t);
+    Tensor n = t.to(device, t.storage() ? std::optional<MemoryCategory>(t.storage()->category()) : std::nullopt);
     n.set_requires_grad(t.requires_grad());
     moved.emplace(t.id(), n);
     return n;

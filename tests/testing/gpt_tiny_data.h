@@ -43,13 +43,7 @@ inline std::pair<Tensor, Tensor> Batch(int step, int row0, int rows) {
 inline std::vector<std::vector<float>> Values(const nn::Module& m) {
   std::vector<std::vector<float>> out;
   for (const Tensor& p : m.parameters()) {
-    if (p.device().is_cpu()) {
-      out.push_back(p.to_vector());
-    } else {
-      Tensor host = Tensor::empty(p.shape(), TensorOptions{}.with_dtype(p.dtype()));
-      host.copy_(p);
-      out.push_back(host.to_vector());
-    }
+    out.push_back(p.device().is_cpu() ? p.to_vector() : p.to(Device::cpu()).to_vector());
   }
   return out;
 }

@@ -134,14 +134,12 @@ Tensor relu_compute(const Tensor& x) {
 
 Tensor gelu_compute(const Tensor& x, GeluApproximation approximate) {
   detail::check_f32("gelu", x);
-  SK_CHECK(approximate == GeluApproximation::none || approximate == GeluApproximation::tanh)
-      << "gelu: unknown GeluApproximation " << static_cast<int>(approximate);
-  if (x.device().is_cuda()) return GeluOnDevice(x, approximate == GeluApproximation::tanh);
+  const bool on_device = x.device().is_cuda();
   switch (approximate) {
     case GeluApproximation::none:
-      return GeluExact(x);
+      return on_device ? GeluOnDevice(x, false) : GeluExact(x);
     case GeluApproximation::tanh:
-      return GeluTanh(x);
+      return on_device ? GeluOnDevice(x, true) : GeluTanh(x);
   }
   SK_CHECK(false) << "gelu: unknown GeluApproximation " << static_cast<int>(approximate);
   return Tensor();

@@ -4,6 +4,7 @@
 
 #include "common/autograd/ops/op_utils.h"
 #include "common/kernels/cuda/cuda_kernels.h"
+#include "common/kernels/elementwise.h"
 
 namespace shardkit::autograd {
 namespace {

@@ -12,7 +12,6 @@
 
 #include "common/autograd/autograd_meta.h"
 #include "common/autograd/grad_accumulation.h"
-#include "common/kernels/elementwise.h"
 #include "common/tensor/trace_hook.h"
 
 namespace shardkit::autograd::detail {
@@ -87,11 +86,7 @@ T* ptr_or_null(const Tensor& t) {
 // Element i of an i64 tensor on any device (a synchronous copy from a device), for error messages.
 inline std::int64_t i64_at(const Tensor& t, std::int64_t i) {
   if (t.device().is_cpu()) return t.data<std::int64_t>()[i];
-  TensorOptions o;
-  o.dtype = DType::i64;
-  Tensor host = Tensor::empty({1}, o);
-  kernels::cast(t.view(i, {1}), host);
-  return host.data<std::int64_t>()[0];
+  return t.view(i, {1}).to(Device::cpu()).data<std::int64_t>()[0];
 }
 
 // Note [traced ops]

@@ -10,7 +10,6 @@
 
 #include "common/autograd/engine.h"
 #include "common/autograd/ops.h"
-#include "common/kernels/elementwise.h"
 #include "common/nn/nn.h"
 #include "common/optim/adam.h"
 #include "common/optim/clip_grad.h"
@@ -27,16 +26,7 @@ using ::testing::HasSubstr;
 
 const Device kGpu = Device::cuda(0);
 
-Tensor To(const Tensor& t, Device device) {
-  TensorOptions o;
-  o.dtype = t.dtype();
-  o.device = device;
-  Tensor out = Tensor::empty(t.shape(), o);
-  kernels::cast(t, out);
-  return out;
-}
-
-std::vector<float> HostValues(const Tensor& t) { return To(t, Device::cpu()).to_vector(); }
+std::vector<float> HostValues(const Tensor& t) { return t.to(Device::cpu()).to_vector(); }
 
 // Values uniform in [-bound, bound).
 Tensor Uniform(const Shape& shape, std::uint64_t seed, float bound = 1.0f) {
@@ -73,7 +63,7 @@ void ExpectSameOnDevice(const TensorList& inputs, const Op& op, double tol) {
   TensorList cpu, gpu;
   for (const Tensor& t : inputs) {
     Tensor c = t.clone();
-    Tensor g = To(t, kGpu);
+    Tensor g = t.to(kGpu);
     if (is_floating(t.dtype())) {
       c.set_requires_grad(true);
       g.set_requires_grad(true);
@@ -88,7 +78,7 @@ void ExpectSameOnDevice(const TensorList& inputs, const Op& op, double tol) {
   ExpectNear(HostValues(yg), yc.to_vector(), tol, "output");
   const Tensor up = Uniform(yc.shape(), 99);
   backward(yc, up);
-  backward(yg, To(up, kGpu));
+  backward(yg, up.to(kGpu));
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (!is_floating(inputs[i].dtype())) continue;
     ASSERT_TRUE(gpu[i].grad().defined()) << "input " << i;
@@ -194,15 +184,15 @@ TEST(CudaOpsTest, NarrowSplitConcatAndCast) {
 
 TEST(CudaOpsTest, OutOfRangeIndicesAreErrorsNamingThePosition) {
   SK_REQUIRE_CUDA_DEVICE("embedding / cross_entropy index checks on a GPU");
-  const Tensor w = To(Uniform({5, 4}, 31), kGpu);
+  const Tensor w = Uniform({5, 4}, 31).to(kGpu);
   try {
-    embedding(w, To(Indices({3}, {1, 5, 2}), kGpu));
+    embedding(w, Indices({3}, {1, 5, 2}).to(kGpu));
     ADD_FAILURE() << "no error";
   } catch (const std::exception& e) {
     EXPECT_THAT(e.what(), HasSubstr("index 5 at position 1 is outside [0, 5)"));
   }
   try {
-    cross_entropy(To(Uniform({3, 6}, 32), kGpu), To(Indices({3}, {0, 2, -1}), kGpu));
+    cross_entropy(Uniform({3, 6}, 32).to(kGpu), Indices({3}, {0, 2, -1}).to(kGpu));
     ADD_FAILURE() << "no error";
   } catch (const std::exception& e) {
     EXPECT_THAT(e.what(), HasSubstr("target -1 at position 2 is outside [0, 6)"));
@@ -273,7 +263,7 @@ TEST(CudaModuleTest, ClipToDtypeAndLoadStateDictOnADevice) {
   gpu.to(kGpu);
   auto [x, y] = gpt_tiny::Batch(0, 0, 4);
   backward(cpu.loss(x, y));
-  backward(gpu.loss(To(x, kGpu), To(y, kGpu)));
+  backward(gpu.loss(x.to(kGpu), y.to(kGpu)));
   const double norm_cpu = optim::clip_grad_norm(cpu.parameters(), 0.1);
   const double norm_gpu = optim::clip_grad_norm(gpu.parameters(), 0.1);
   EXPECT_NEAR(norm_gpu, norm_cpu, 1e-4 * norm_cpu);
@@ -306,7 +296,7 @@ TrainedGpt TrainGpt(Device device, int steps) {
   auto [x, y] = gpt_tiny::Batch(0, 0, 8);  // one batch, every step: the loss must fall
   for (int step = 0; step < steps; ++step) {
     (*opt)->zero_grad();
-    Tensor loss = model.loss(To(x, device), To(y, device));
+    Tensor loss = model.loss(x.to(device), y.to(device));
     out.losses.push_back(HostValues(loss)[0]);
     backward(loss);
     EXPECT_TRUE((*opt)->step().ok());

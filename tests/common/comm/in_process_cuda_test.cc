@@ -14,21 +14,9 @@ namespace {
 
 const Device kGpu = Device::cuda(0);
 
-Tensor OnGpu(const Tensor& t) {
-  TensorOptions o;
-  o.dtype = t.dtype();
-  o.device = kGpu;
-  Tensor out = Tensor::empty(t.shape(), o);
-  out.copy_(t);
-  return out;
-}
-
+Tensor OnGpu(const Tensor& t) { return t.to(kGpu); }
 std::vector<float> Host(const Tensor& t) { return t.to_vector(); }
-std::vector<float> HostOf(const Tensor& device_tensor) {
-  Tensor h = Tensor::empty(device_tensor.shape(), TensorOptions{}.with_dtype(device_tensor.dtype()));
-  h.copy_(device_tensor);
-  return h.to_vector();
-}
+std::vector<float> HostOf(const Tensor& device_tensor) { return device_tensor.to(Device::cpu()).to_vector(); }
 
 // Rank r's input: 12 values that differ per rank and position.
 Tensor Input(int r, std::int64_t n = 12) {
