@@ -96,11 +96,12 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   if (!params.ok()) return params.status();
   std::vector<Tensor> originals;
   for (const FSDPParam& p : *params) originals.push_back(p.registrations.front().first->parameter(p.registrations.front().second));
-  for (std::size_t i = 0; i < originals.size(); ++i) {
-    if (originals[i].defined() && !originals[i].device().is_cpu()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "fully_shard: parameter '", (*params)[i].names.front(), "' is on ", originals[i].device().str(),
-          "; fsdp/ runs on CPU ranks only so far (DDP, OSS and ShardedDDP train on CUDA devices)"));
+  for (std::size_t i = 1; i < originals.size(); ++i) {  // Note [unit on a device] in param_group.cc
+    if (originals[i].device() != originals[0].device()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fully_shard: expected the parameters of one call on one device, found '", (*params)[0].names.front(),
+          "' on ", originals[0].device().str(), " and '", (*params)[i].names.front(), "' on ",
+          originals[i].device().str(), "; move the module with Module::to(Device) first"));
     }
   }
   std::unique_ptr<ParamGroup> pg;

@@ -1,11 +1,10 @@
 #include "fsdp/param_group.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
-#include "common/base/copy_bytes.h"
+#include "common/kernels/elementwise.h"
 #include "common/nn/deferred_init.h"
 #include "common/tensor/storage.h"
 
@@ -19,22 +18,25 @@ Shape local_shape_of(const Shape& global, std::int64_t local_rows) {
   return s;
 }
 
-// Copies `rows` rows of `row_numel` f32 elements.
-void copy_rows(float* dst, const float* src, std::int64_t rows, std::int64_t row_numel) {
-  if (rows > 0 && row_numel > 0) copy_bytes(dst, src, static_cast<std::size_t>(rows * row_numel) * sizeof(float));
+// Note [unit on a device]
+// A unit's buffers (the shard buffer, the unsharded buffer, the gather and reduce-scatter buffers, the reduced
+// gradients) live on its parameters' device, and every row copy, dtype conversion, zero fill, sum and scale goes
+// through the Tensor-level kernels (kernels::cast, Tensor::zero_, kernels::add / scale), which run where the tensors
+// are: on the CPU the same loops as plain copies, on a CUDA device kernels on the calling thread's stream, ordered
+// before the collectives (a collective on device tensors waits for the caller's stream). fully_shard requires the
+// parameters of one call to share a device.
+
+// Copies `rows` rows of `row_numel` elements of `src` starting at element `src_offset` into `dst` at element
+// `dst_offset`, converting to dst's dtype; any devices.
+void copy_rows(const Tensor& dst, std::int64_t dst_offset, const Tensor& src, std::int64_t src_offset,
+               std::int64_t rows, std::int64_t row_numel) {
+  const std::int64_t n = rows * row_numel;
+  if (n > 0) kernels::cast(src.view(src_offset, {n}), dst.view(dst_offset, {n}));
 }
 
-// Copies `rows` rows of `row_numel` elements of dtype `src_dtype` at `src` into f32 `dst`.
-void copy_rows_to_f32(float* dst, const char* src, DType src_dtype, std::int64_t rows, std::int64_t row_numel) {
-  if (src_dtype == DType::f32) return copy_rows(dst, reinterpret_cast<const float*>(src), rows, row_numel);
-  if (rows > 0 && row_numel > 0) convert_elements(src, src_dtype, dst, DType::f32, rows * row_numel);
-}
-
-// acc += x (f32, same numel).
-void add_into(const Tensor& acc, const Tensor& x) {
-  float* a = acc.data<float>();
-  const float* o = x.data<float>();
-  for (std::int64_t k = 0; k < acc.numel(); ++k) a[k] += o[k];
+// Zeros elements [offset, offset + n) of `t`.
+void zero_range(const Tensor& t, std::int64_t offset, std::int64_t n) {
+  if (n > 0) t.view(offset, {n}).zero_();
 }
 
 }  // namespace
@@ -89,6 +91,10 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
     const std::int64_t numel = shape_numel(p.global_shape);
     p.own_collective = numel > 0 && numel >= own_collective_min_numel && p.split.rows_per_rank * world == p.split.rows;
   }
+  if (!params_.empty()) {
+    const FSDPParam& first = params_.front();
+    device_ = first.registrations.front().first->parameter(first.registrations.front().second).device();
+  }
   std::int64_t s = 0;
   for (const bool own : {false, true}) {  // Note [own collectives]: the shared ones first
     for (FSDPParam& p : params_) {
@@ -98,13 +104,11 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
       (own ? own_numel_ : shared_numel_) += p.padded_numel();
     }
   }
-  const TensorOptions param_opts = TensorOptions{}.with_category(MemoryCategory::parameter);
-  shard_ = Tensor::zeros({s}, param_opts);
-  float* shard = shard_.data<float>();
+  shard_ = Tensor::zeros({s}, options(MemoryCategory::parameter));
   // The unsharded parameters are views of one buffer per unit (one allocation per unshard, released at rest).
   std::int64_t full_numel = 0;
   for (const FSDPParam& p : params_) full_numel += shape_numel(p.global_shape);
-  full_ = Tensor::over(Storage::allocate_released(static_cast<std::size_t>(full_numel) * sizeof(float), Device::cpu(),
+  full_ = Tensor::over(Storage::allocate_released(static_cast<std::size_t>(full_numel) * sizeof(float), device_,
                                                   MemoryCategory::parameter),
                        0, {full_numel}, DType::f32);  // released: no bytes until the first unshard
   std::int64_t full_offset = 0;
@@ -116,7 +120,8 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
     // copied and its bytes released at once, so construction never holds more than the shards and one parameter.
     const bool was_deferred = deferred != nullptr && deferred->is_deferred(full);
     if (was_deferred) deferred->materialize(full);
-    copy_rows(shard + p.shard_offset, full.data<float>() + p.split.row_offset * p.split.row_numel, p.split.local_rows,
+    SK_CHECK(full.device() == device_) << "fsdp: " << full.describe() << " in a unit on " << device_.str();
+    copy_rows(shard_, p.shard_offset, full, p.split.row_offset * p.split.row_numel, p.split.local_rows,
               p.split.row_numel);
     if (was_deferred && full.nbytes() > 0) full.release_storage();
     p.sharded = shard_.view(p.shard_offset, p.local_shape);
@@ -141,7 +146,7 @@ absl::Status ParamGroup::enable_group_reshard(int k) {
     const RowSplit rs = split_rows(p.global_shape, 0, k);
     s += rs.rows_per_rank * rs.row_numel;
   }
-  kshard_ = Tensor::zeros({s}, TensorOptions{}.with_category(MemoryCategory::parameter));
+  kshard_ = Tensor::zeros({s}, options(MemoryCategory::parameter));
   kshard_.release_storage();
   return absl::OkStatus();
 }
@@ -149,14 +154,12 @@ absl::Status ParamGroup::enable_group_reshard(int k) {
 void ParamGroup::reshard_to_group() {
   SK_CHECK(k_ > 0 && unsharded_) << "fsdp: reshard_to_group on " << name_;
   kshard_.reallocate_storage();
-  float* out = kshard_.data<float>();
   const int i = kgroup_->rank();
   for (std::size_t j = 0; j < params_.size(); ++j) {
     const FSDPParam& p = params_[j];
     const RowSplit rs = split_rows(p.global_shape, i, k_);
-    float* dst = out + k_offsets_[j];
-    std::memset(dst, 0, static_cast<std::size_t>(rs.rows_per_rank * rs.row_numel) * sizeof(float));
-    copy_rows(dst, p.unsharded.data<float>() + rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
+    zero_range(kshard_, k_offsets_[j] + rs.local_rows * rs.row_numel, (rs.rows_per_rank - rs.local_rows) * rs.row_numel);
+    copy_rows(kshard_, k_offsets_[j], p.unsharded, rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
   }
   for (FSDPParam& p : params_) p.register_as(p.sharded);
   k_exact_ = unsharded_exact();
@@ -170,7 +173,7 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
   if (unsharded_) return h;
   h.group_ = this;
   if (k_resharded_) {  // Note [reshard to a k-group]: gather within the k-group
-    h.gathered_ = Tensor::empty({kshard_.numel() * k_}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+    h.gathered_ = Tensor::empty({kshard_.numel() * k_}, options(MemoryCategory::communication_buffer));
     h.works_.push_back(kgroup_->all_gather(h.gathered_, kshard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_)}));
     return h;
   }
@@ -179,8 +182,7 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
   // Note [own collectives]: the shared parameters through the gather buffer, the others straight into full_.
   const std::int64_t shared = h.own_ ? shared_numel_ : shard_.numel();
   if (shared > 0) {
-    h.gathered_ = Tensor::empty({shared * pg_->size()},
-                                TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(dtype));
+    h.gathered_ = Tensor::empty({shared * pg_->size()}, options(MemoryCategory::communication_buffer, dtype));
     // param_dtype: the shard cast for the all-gather (its Work holds the cast until the peers have read it).
     const Tensor mine = shared == shard_.numel() ? shard_ : shard_.view(0, {shared});
     const Tensor send = dtype == DType::f32 ? mine : mine.to(dtype, MemoryCategory::communication_buffer);
@@ -224,9 +226,7 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered, bool own) {
   // Rank stride of the gather buffer: the shared parameters only when the others gathered on their own.
   const std::int64_t s = from_k ? kshard_.numel() : own ? shared_numel_ : shard_.numel();
   const int parts = from_k ? k_ : pg_->size();
-  const char* in = gathered.defined() ? static_cast<const char*>(gathered.raw_data()) : nullptr;
   const DType in_dtype = gathered.defined() ? gathered.dtype() : DType::f32;
-  const std::int64_t es = static_cast<std::int64_t>(dtype_size(in_dtype));
   const bool exact = from_k ? k_exact_ : in_dtype == DType::f32;
   if (own) {
     full_.storage()->recategorize(MemoryCategory::parameter);  // the gather output becomes the parameters
@@ -239,12 +239,10 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered, bool own) {
     p.unsharded_exact = exact;
     p.register_as(p.unsharded);
     if (own && p.own_collective) continue;  // gathered in place
-    float* out = p.unsharded.data<float>();
     const std::int64_t offset = from_k ? k_offsets_[j] : p.shard_offset;
     for (int r = 0; r < parts; ++r) {
       const RowSplit rs = split_rows(p.global_shape, r, parts);
-      copy_rows_to_f32(out + rs.row_offset * rs.row_numel, in + (r * s + offset) * es, in_dtype, rs.local_rows,
-                       rs.row_numel);
+      copy_rows(p.unsharded, rs.row_offset * rs.row_numel, gathered, r * s + offset, rs.local_rows, rs.row_numel);
     }
   }
   if (from_k) {
@@ -275,8 +273,8 @@ void ParamGroup::reshard() {
 void ParamGroup::write_back() {
   if (!unsharded_ || !unsharded_exact()) return;
   for (FSDPParam& p : params_) {
-    copy_rows(p.sharded.data<float>(), p.unsharded.data<float>() + p.split.row_offset * p.split.row_numel,
-              p.split.local_rows, p.split.row_numel);
+    copy_rows(p.sharded, 0, p.unsharded, p.split.row_offset * p.split.row_numel, p.split.local_rows,
+              p.split.row_numel);
   }
 }
 
@@ -306,12 +304,9 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
   // Every element is written once: a gradient's rows (cast to reduce_dtype), or zeros (padding, parameters without
   // a gradient).
   const DType rd = mp_.reduce_in();
-  const std::int64_t es = static_cast<std::int64_t>(dtype_size(rd));
-  Tensor flat = s == 0 ? Tensor()
-                       : Tensor::empty({s * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_dtype(rd));
-  char* in = s == 0 ? nullptr : static_cast<char*>(flat.raw_data());
+  const Tensor flat = s == 0 ? Tensor() : Tensor::empty({s * world}, options(MemoryCategory::communication_buffer, rd));
   PendingReduce pending;
-  pending.out = Tensor::empty({shard_.numel()}, TensorOptions{}.with_category(MemoryCategory::gradient).with_dtype(rd));
+  pending.out = Tensor::empty({shard_.numel()}, options(MemoryCategory::gradient, rd));
   pending.divide_factor = divide_factor;
   pending.all_reduce_replicas = all_reduce_replicas;
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
@@ -322,16 +317,16 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
     SK_CHECK(!g.defined() || (g.dtype() == DType::f32 && g.numel() == p.unsharded.numel())) << "fsdp: gradient " << g.describe();
     if (own && p.own_collective) {
       // Its gradient is the input as it is (zeros when it got none).
-      own_inputs.emplace_back(&p, g.defined() ? g : Tensor::zeros({p.unsharded.numel()}, TensorOptions{}.with_category(MemoryCategory::communication_buffer)));
+      own_inputs.emplace_back(&p, g.defined() ? g : Tensor::zeros({p.unsharded.numel()}, options(MemoryCategory::communication_buffer)));
       if (g.defined()) p.unsharded.set_grad(Tensor());
       continue;
     }
     for (int r = 0; r < world; ++r) {
       const RowSplit rs = split_rows(p.global_shape, r, world);
-      char* dst = in + (r * s + p.shard_offset) * es;
+      const std::int64_t at = r * s + p.shard_offset;
       const std::int64_t filled = g.defined() ? rs.local_rows * rs.row_numel : 0;
-      if (filled > 0) convert_elements(g.data<float>() + rs.row_offset * rs.row_numel, DType::f32, dst, rd, filled);
-      std::memset(dst + filled * es, 0, static_cast<std::size_t>((p.padded_numel() - filled) * es));  // +0 in every dtype
+      if (filled > 0) copy_rows(flat, at, g, rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
+      zero_range(flat, at + filled, p.padded_numel() - filled);
     }
     if (g.defined()) p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
   }
@@ -365,14 +360,14 @@ absl::Status ParamGroup::finish_reduce_grads() {
   if (replicate_ != nullptr) {  // Note [hybrid sharding]
     if (!pending.all_reduce_replicas) {
       if (partial_.defined()) {
-        add_into(partial_, out);
+        kernels::add(partial_, out, partial_);
       } else {
         partial_ = out;
       }
       return absl::OkStatus();
     }
     if (partial_.defined()) {
-      add_into(out, partial_);
+      kernels::add(out, partial_, out);
       partial_ = Tensor();
     }
     const comm::ReduceOp op = pending.divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
@@ -384,15 +379,13 @@ absl::Status ParamGroup::finish_reduce_grads() {
     }
   }
   if (pending.divide_factor) {
-    float* o = out.data<float>();
-    const float inv = static_cast<float>(1.0 / *pending.divide_factor);
-    for (std::int64_t k = 0; k < out.numel(); ++k) o[k] *= inv;
+    kernels::scale(static_cast<float>(1.0 / *pending.divide_factor), out, out);
   }
   for (FSDPParam& p : params_) {
     if (!p.sharded.requires_grad()) continue;  // frozen: the optimizer must not step it
     const Tensor mine = out.view(p.shard_offset, p.local_shape);
     if (const Tensor acc = p.sharded.grad(); acc.defined()) {  // accumulation over several backwards
-      add_into(acc, mine);
+      kernels::add(acc, mine, acc);
     } else {
       p.sharded.set_grad(mine);
     }

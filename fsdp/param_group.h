@@ -15,6 +15,8 @@
 //             gradients are released. Large parameters without padding are reduce-scattered straight from their
 //             gradients (Note [own collectives] in param_group.cc).
 //
+// Every buffer lives on the parameters' device, CPU or CUDA (Note [unit on a device] in param_group.cc).
+//
 // Memory (ledger categories): the shard buffer and the unsharded tensors are `parameter`; the gather buffer and
 // the reduce_scatter input `communication_buffer`; the sharded gradients `gradient`. S includes padding:
 // Σ ceil(d0/N) · row elements over the unit's parameters.
@@ -119,6 +121,10 @@ class ParamGroup {
   bool own_unshard(DType gather_dtype) const { return own_numel_ > 0 && !k_resharded_ && gather_dtype == DType::f32; }
   bool own_reduce() const { return own_numel_ > 0 && mp_.reduce_in() == DType::f32; }
   absl::Duration timeout() const { return timeout_.value_or(pg_->default_timeout()); }
+  // A buffer of this unit: on its parameters' device (Note [unit on a device] in param_group.cc).
+  TensorOptions options(MemoryCategory category, DType dtype = DType::f32) const {
+    return TensorOptions{}.with_category(category).with_dtype(dtype).with_device(device_);
+  }
 
   std::string name_;
   std::vector<FSDPParam> params_;
@@ -127,6 +133,7 @@ class ParamGroup {
   Tensor partial_;  // HSDP: reduced rows not all-reduced yet (set_requires_all_reduce(false)), or undefined
   std::optional<absl::Duration> timeout_;
   MixedPrecisionPolicy mp_;
+  Device device_ = Device::cpu();  // the parameters' (Note [unit on a device])
   Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
   // Note [own collectives]: the parameters sharing a collective come first in shard_ ([0, shared_numel_)), those
   // with their own after (own_numel_ elements).

@@ -1,7 +1,6 @@
 #include "fsdp/state_dict.h"
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <optional>
 #include <set>
@@ -34,32 +33,32 @@ ParamMap map_params(nn::Module& root) {
   return m;
 }
 
-// The whole tensor of one sharded parameter's `local` rows (a state tensor shaped like the shard), on every rank.
+// The whole tensor of one sharded parameter's `local` rows (a state tensor shaped like the shard), on every rank,
+// on local's device.
 absl::StatusOr<Tensor> gather_rows(const FSDPParam& p, const Tensor& local, comm::ProcessGroup& pg) {
   const int world = pg.size();
   const std::int64_t padded = p.padded_numel();
-  Tensor send = Tensor::zeros({padded}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
-  if (local.numel() > 0) std::memcpy(send.raw_data(), local.raw_data(), local.nbytes());
-  Tensor all = Tensor::empty({padded * world}, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
+  const TensorOptions comm_opts =
+      TensorOptions{}.with_category(MemoryCategory::communication_buffer).with_device(local.device());
+  Tensor send = Tensor::zeros({padded}, comm_opts);
+  if (local.numel() > 0) send.view(0, {local.numel()}).copy_(local.flatten());
+  Tensor all = Tensor::empty({padded * world}, comm_opts);
   if (absl::Status s = pg.all_gather(all, send, {.tag = absl::StrCat("fsdp state ", p.names.front())})->wait(); !s.ok()) {
     return s;
   }
-  Tensor full = Tensor::empty(p.global_shape, TensorOptions{}.with_category(MemoryCategory::other));
+  Tensor full = Tensor::empty(p.global_shape, TensorOptions{}.with_category(MemoryCategory::other).with_device(local.device()));
   for (int r = 0; r < world; ++r) {
     const RowSplit rs = split_rows(p.global_shape, r, world);
-    if (rs.local_rows == 0) continue;
-    std::memcpy(static_cast<float*>(full.raw_data()) + rs.row_offset * rs.row_numel, all.data<float>() + r * padded,
-                static_cast<std::size_t>(rs.local_rows * rs.row_numel) * sizeof(float));
+    const std::int64_t n = rs.local_rows * rs.row_numel;
+    if (n > 0) full.view(rs.row_offset * rs.row_numel, {n}).copy_(all.view(r * padded, {n}));
   }
   return full;
 }
 
 // This rank's rows of a whole tensor.
 Tensor local_rows(const FSDPParam& p, const Tensor& full) {
-  Tensor out = Tensor::empty(p.local_shape, TensorOptions{}.with_category(MemoryCategory::optimizer_state));
-  if (out.numel() > 0) {
-    std::memcpy(out.raw_data(), full.data<float>() + p.split.row_offset * p.split.row_numel, out.nbytes());
-  }
+  Tensor out = Tensor::empty(p.local_shape, TensorOptions{}.with_category(MemoryCategory::optimizer_state).with_device(full.device()));
+  if (out.numel() > 0) out.flatten().copy_(full.view(p.split.row_offset * p.split.row_numel, {out.numel()}));
   return out;
 }
 

@@ -181,19 +181,25 @@ TEST(FsdpErrors, ReshardToAGroupThatDoesNotDivideTheWorld) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
-// Parameters on a CUDA device are refused by name before anything is sharded (here a tensor labelled cuda:0 over
-// host bytes: no device is touched).
-TEST(FsdpErrors, ParametersOnACudaDeviceAreUnimplemented) {
+// The parameters of one fully_shard call share a device (Note [unit on a device] in fsdp/param_group.cc): a weight
+// on cuda:0 with a bias on the CPU is refused, naming both, before anything is sharded (the weight is a tensor
+// labelled cuda:0 over host bytes: no device is touched). The CPU bias alone is still sharded after the refusal.
+TEST(FsdpErrors, ParametersOfOneCallOnTwoDevicesAreInvalid) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     std::vector<float> bytes(12);
     Tensor w = Tensor::over(Storage::borrow(bytes.data(), bytes.size() * sizeof(float), Device::cuda(0)), 0, {4, 3},
                             DType::f32);
     w.set_requires_grad(true);
-    nn::Linear lin(w);
+    Tensor b = Tensor::zeros({4});
+    b.set_requires_grad(true);
+    nn::Linear lin(w, b);
     auto s = fully_shard(lin, env.group_ptr);
-    EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(s.status().message()),
-                ::testing::HasSubstr("fully_shard: parameter 'weight' is on cuda:0; fsdp/ runs on CPU ranks only"));
+                ::testing::HasSubstr("fully_shard: expected the parameters of one call on one device, found 'weight' on "
+                                     "cuda:0 and 'bias' on cpu"));
+    EXPECT_FALSE(b.storage_released());  // nothing was sharded
+    EXPECT_EQ(lin.parameter("weight").id(), w.id());
     return absl::OkStatus();
   });
   EXPECT_TRUE(st.ok()) << st;

@@ -1,0 +1,114 @@
+// fully_shard on one GPU (issue 14 acceptance; Note [unit on a device] in fsdp/param_group.cc): simulated ranks
+// (threads) whose models all live on cuda:0, collectives through the in-process group's CUDA path (Note [in-process
+// CUDA tensors]), against single-rank training on that GPU and against the same sharded run on CPU ranks. Every case
+// skips without a CUDA device.
+#include <optional>
+#include <string>
+#include <tuple>
+#include <variant>
+#include <vector>
+
+#include "common/comm/testing/run_ranks.h"
+#include "common/optim/adam.h"
+#include "common/optim/clip_grad.h"
+#include "fsdp/clip_grad.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/mixed_precision.h"
+#include "gtest/gtest.h"
+#include "tests/common/tensor/cuda_test_util.h"
+#include "tests/fsdp/fsdp_test_util.h"
+#include "tests/testing/gpt_tiny_data.h"
+
+namespace shardkit::fsdp {
+namespace {
+
+using gpt_tiny::Batch;
+using gpt_tiny::kBatch;
+using gpt_tiny::TinyConfig;
+
+struct TrainCase {
+  int world = 1;
+  Device device = Device::cuda(0);
+  bool shard = true;  // world 1 without sharding: the plain model, the reference
+  std::optional<std::variant<bool, int>> reshard_after_forward = std::nullopt;
+  bool nested = false;
+  MixedPrecisionPolicy mp = {};
+  double clip = 0;  // > 0: clip the gradients' global 2-norm to it before each step
+};
+
+// `steps` AdamW steps of GPT-tiny, each rank on its rows of every batch; every rank's full parameter values.
+std::vector<std::vector<std::vector<float>>> Train(const TrainCase& run, int steps) {
+  std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(run.world));
+  absl::Status st = comm::RunRanks(run.world, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    model.to(run.device);
+    if (run.shard) {
+      const FullyShardOptions options{.reshard_after_forward = run.reshard_after_forward, .mp_policy = run.mp};
+      if (absl::Status s = test_util::ShardGpt(model, env, options, run.nested); !s.ok()) return s;
+    }
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+    if (!opt.ok()) return opt.status();
+    const int rows = kBatch / run.world;
+    for (int step = 0; step < steps; ++step) {
+      auto [x, y] = Batch(step, env.rank * rows, rows);
+      (*opt)->zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x.to(run.device), y.to(run.device))); !s.ok()) return s;
+      if (run.clip > 0 && run.shard) {
+        if (auto norm = clip_grad_norm(model, run.clip); !norm.ok()) return norm.status();
+      } else if (run.clip > 0) {
+        optim::clip_grad_norm(model.parameters(), run.clip);
+      }
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
+    }
+    if (!run.shard) {
+      got[static_cast<std::size_t>(env.rank)] = gpt_tiny::Values(model);
+      return absl::OkStatus();
+    }
+    return test_util::StoreFullValues(model, got, env.rank);
+  });
+  EXPECT_TRUE(st.ok()) << st;
+  return got;
+}
+
+// (world, reshard_after_forward, nested)
+class FsdpGptCuda : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
+
+// 20 steps on one GPU equal one rank trained on the whole batch on that GPU (tolerance as SddpGptCuda's: fp32
+// reduction order and the GPU's kernels), all ranks identical.
+TEST_P(FsdpGptCuda, TwentyStepsOnOneGpuEqualSingleRankGpuTraining) {
+  SK_REQUIRE_CUDA_DEVICE("fully_shard with simulated ranks on one GPU");
+  const auto [world, reshard, nested] = GetParam();
+  static const auto want = Train({.world = 1, .shard = false}, 20)[0];
+  gpt_tiny::ExpectMatches(Train({.world = world, .reshard_after_forward = reshard, .nested = nested}, 20), want, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, FsdpGptCuda,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Bool(), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<1>(info.param) ? "reshard" : "keep") +
+                                  (std::get<2>(info.param) ? "_nested" : "") + "_n" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+// The paths with buffers of their own, each on the GPU against the same sharded run on CPU ranks: the k-group
+// reshard (reshard_after_forward = 2 at N = 4: k-shards, zero-filled padding), bf16 all-gathers and reduce-scatters
+// (MixedPrecisionPolicy: casts on the device), and the sharded gradient clip (a norm over device shards).
+TEST(FsdpGptCudaPaths, GroupReshardMixedPrecisionAndClippingEqualTheCpuRun) {
+  SK_REQUIRE_CUDA_DEVICE("fully_shard's k-group, bf16 and clipping paths on one GPU");
+  const TrainCase cases[] = {
+      {.world = 4, .reshard_after_forward = 2},
+      {.world = 2, .mp = {.param_dtype = DType::bf16, .reduce_dtype = DType::bf16}},
+      {.world = 2, .reshard_after_forward = true, .clip = 0.05},
+  };
+  for (const TrainCase& gpu : cases) {
+    SCOPED_TRACE(::testing::Message() << "world " << gpu.world << ", bf16 " << (gpu.mp.param_dtype.has_value())
+                                      << ", clip " << gpu.clip);
+    TrainCase cpu = gpu;
+    cpu.device = Device::cpu();
+    const auto want = Train(cpu, 10)[0];
+    gpt_tiny::ExpectMatches(Train(gpu, 10), want, gpu.mp.param_dtype.has_value() ? 2e-3 : 1e-4);
+  }
+}
+
+}  // namespace
+}  // namespace shardkit::fsdp
