@@ -12,6 +12,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/comm/host_staged.h"
 #include "common/optim/state_dict_validation.h"
 #include "common/tensor/rank_context.h"
 #include "oss/oss.h"
@@ -295,8 +296,8 @@ absl::Status Oss::load_state_dict(const optim::OptimizerStateDict& full) {
   // 3. Agree: the lowest rank that rejected the dict, or `world` when none did.
   const int world = pg_->size();
   Tensor verdict = Tensor::from_int64({local.ok() ? world : pg_->rank()}, {1});
-  absl::Status agreed = pg_->all_reduce(verdict, {.op = comm::ReduceOp::min(), .timeout = options_.timeout,
-                                                  .tag = "oss load_state_dict"})->wait(timeout());
+  absl::Status agreed = comm::all_reduce_host(
+      *pg_, verdict, {.op = comm::ReduceOp::min(), .timeout = options_.timeout, .tag = "oss load_state_dict"}, timeout());
   const int rejected_by = agreed.ok() ? static_cast<int>(verdict.item()) : -1;
   if (agreed.ok() && rejected_by == world) {
     for (std::size_t g = 0; g < groups_.size(); ++g) groups_[g].hyper = full.param_groups[g].hyper;

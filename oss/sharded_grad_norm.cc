@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/comm/host_staged.h"
 #include "common/optim/clip_grad.h"
 
 namespace shardkit::oss {
@@ -16,9 +17,11 @@ absl::StatusOr<double> sharded_grad_norm(absl::Span<const Tensor> owned, comm::P
   const double partial = optim::grad_norm_partial(owned, norm_type);
   // The partial travels in f32 (relative error ~1e-7 in the norm).
   Tensor t = Tensor::full({1}, partial, TensorOptions{}.with_category(MemoryCategory::communication_buffer));
-  auto work = group.all_reduce(t, {.op = inf ? comm::ReduceOp::max() : comm::ReduceOp::sum(),
-                                   .timeout = options.timeout, .tag = options.tag});
-  if (absl::Status s = work->wait(); !s.ok()) return s;
+  if (absl::Status s = comm::all_reduce_host(group, t, {.op = inf ? comm::ReduceOp::max() : comm::ReduceOp::sum(),
+                                                        .timeout = options.timeout, .tag = options.tag});
+      !s.ok()) {
+    return s;
+  }
   return optim::grad_norm_from_partial(t.item(), norm_type);
 }
 

@@ -1,6 +1,7 @@
 #include "sddp/grad_scaler.h"
 
 #include "common/autograd/ops.h"
+#include "common/comm/host_staged.h"
 #include "common/optim/finite.h"
 
 namespace shardkit::sddp {
@@ -18,7 +19,7 @@ absl::StatusOr<bool> ShardedGradScaler::unscale(absl::Span<const Tensor> grads) 
     if (g.defined()) bad |= optim::scale_and_find_non_finite(g, inv);  // one pass: check, then scale
   }
   Tensor flag = Tensor::full({1}, bad ? 1.0 : 0.0, TensorOptions{}.with_category(MemoryCategory::other));
-  if (absl::Status s = pg_->all_reduce(flag, {.op = comm::ReduceOp::max(), .tag = "found_inf"})->wait(); !s.ok()) {
+  if (absl::Status s = comm::all_reduce_host(*pg_, flag, {.op = comm::ReduceOp::max(), .tag = "found_inf"}); !s.ok()) {
     return s;
   }
   found_inf_ = flag.item() != 0.0;

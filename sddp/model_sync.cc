@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/comm/host_staged.h"
 
 namespace shardkit::sddp {
 namespace {
@@ -45,7 +46,7 @@ absl::Status verify_same_model(const nn::Module& module, comm::ProcessGroup& gro
   const TensorOptions i64 = TensorOptions{}.with_dtype(DType::i64).with_category(MemoryCategory::other);
   Tensor mine = Tensor::from_int64({fnv1a(text), static_cast<std::int64_t>(text.size())}, {2}, i64);
   Tensor all = Tensor::empty({2 * n}, i64);
-  if (absl::Status s = group.all_gather(all, mine, {.timeout = to, .tag = "model hash"})->wait(); !s.ok()) return s;
+  if (absl::Status s = comm::all_gather_host(group, all, mine, {.timeout = to, .tag = "model hash"}); !s.ok()) return s;
   const auto* a = all.data<std::int64_t>();
   std::int64_t longest = 0;
   bool same = true;
@@ -58,7 +59,7 @@ absl::Status verify_same_model(const nn::Module& module, comm::ProcessGroup& gro
   Tensor chars = Tensor::zeros({longest}, i64);
   for (std::size_t i = 0; i < text.size(); ++i) chars.data<std::int64_t>()[i] = static_cast<unsigned char>(text[i]);
   Tensor every = Tensor::empty({longest * n}, i64);
-  if (absl::Status s = group.all_gather(every, chars, {.timeout = to, .tag = "model description"})->wait(); !s.ok()) {
+  if (absl::Status s = comm::all_gather_host(group, every, chars, {.timeout = to, .tag = "model description"}); !s.ok()) {
     return s;
   }
   auto text_of = [&](int r) {

@@ -9,6 +9,7 @@
 #include "common/autograd/engine.h"
 #include "common/autograd/hooks.h"
 #include "common/base/logging.h"
+#include "common/comm/host_staged.h"
 #include "common/kernels/elementwise.h"
 #include "common/tensor/rank_context.h"
 
@@ -450,7 +451,7 @@ void Reducer::rebuild_from_observed() {
   const auto n = static_cast<std::int64_t>(params_.size());
   std::vector<std::int64_t> mine(observed_order_.begin(), observed_order_.end());
   Tensor t = Tensor::from_int64(mine, {n}, TensorOptions{}.with_category(MemoryCategory::other));
-  if (absl::Status s = pg_->broadcast(t, {.root = 0, .timeout = timeout(), .tag = "ready order"})->wait(); !s.ok()) {
+  if (absl::Status s = comm::broadcast_host(*pg_, t, {.root = 0, .timeout = timeout(), .tag = "ready order"}); !s.ok()) {
     throw ReducerError(std::move(s));
   }
   std::vector<int> order(static_cast<std::size_t>(n));

@@ -217,6 +217,7 @@ class NcclGroup final : public ProcessGroup {
       : ProcessGroup(rank, size, std::move(name), std::move(global), default_timeout), shared_(std::move(shared)) {}
 
   std::string backend_name() const override { return "nccl"; }
+  Device scratch_device() const override { return Device::cuda(shared_->device); }
   void abort(const absl::Status& reason) override { shared_->fail(reason); }
 
  protected:

@@ -205,6 +205,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::string describe_rank(int group_rank) const;
   absl::Duration default_timeout() const { return default_timeout_; }
   virtual std::string backend_name() const = 0;
+  // Where a layer's own small tensors (a hash, a norm, a flag: Note [host tensors over device-only groups] in
+  // host_staged.h) must live to travel over this group: the CPU for the host backends, the group's CUDA device
+  // for NCCL, which moves nothing else.
+  virtual Device scratch_device() const { return Device::cpu(); }
 
   // ---- collectives (see CollectiveCall for the exact semantics of each) ----
   std::shared_ptr<Work> broadcast(const Tensor& tensor, const BroadcastOptions& options = {});

@@ -8,6 +8,8 @@
 #include <variant>
 #include <vector>
 
+#include "common/comm/hash_store.h"
+#include "common/comm/nccl_process_group.h"
 #include "common/comm/testing/run_ranks.h"
 #include "common/optim/adam.h"
 #include "common/optim/clip_grad.h"
@@ -108,6 +110,46 @@ TEST(FsdpGptCudaPaths, GroupReshardMixedPrecisionAndClippingEqualTheCpuRun) {
     const auto want = Train(cpu, 10)[0];
     gpt_tiny::ExpectMatches(Train(gpu, 10), want, gpu.mp.param_dtype.has_value() ? 2e-3 : 1e-4);
   }
+}
+
+// Over the NCCL backend, one rank on cuda:0 (NCCL takes one rank per GPU): the unit's all-gathers and
+// reduce-scatters on device tensors, and the clip's norm partial staged on the device (Note [host tensors over
+// device-only groups] in common/comm/host_staged.h); 10 steps equal the same run over the in-process group.
+TEST(FsdpGptNccl, OneRankOverNcclEqualsTheInProcessGroup) {
+  SK_REQUIRE_CUDA_DEVICE("fully_shard over the NCCL backend");
+  if (!comm::nccl_backend_built()) GTEST_SKIP() << "built without NCCL";
+  auto train = [](std::shared_ptr<comm::ProcessGroup> pg) -> absl::StatusOr<std::vector<std::vector<float>>> {
+    nn::GPT model(TinyConfig(), 1);
+    model.to(Device::cuda(0));
+    for (nn::Module* b : modules_of_type(model, "TransformerBlock")) {
+      if (auto s = fully_shard(*b, pg, {.reshard_after_forward = true}); !s.ok()) return s.status();
+    }
+    if (auto s = fully_shard(model, pg); !s.ok()) return s.status();
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+    if (!opt.ok()) return opt.status();
+    for (int step = 0; step < 10; ++step) {
+      auto [x, y] = Batch(step, 0, kBatch);
+      (*opt)->zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x.to(Device::cuda(0)), y.to(Device::cuda(0)))); !s.ok()) {
+        return s;
+      }
+      if (auto norm = clip_grad_norm(model, 0.05); !norm.ok()) return norm.status();
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
+    }
+    return test_util::FullValues(model);
+  };
+  std::vector<std::vector<float>> want;
+  ASSERT_TRUE(comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
+                auto v = train(env.group_ptr);
+                if (!v.ok()) return v.status();
+                want = std::move(*v);
+                return absl::OkStatus();
+              }).ok());
+  auto nccl = comm::create_nccl_group(std::make_shared<comm::HashStore>(), 0, 1, 0);
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  auto got = train(*nccl);
+  ASSERT_TRUE(got.ok()) << got.status();
+  gpt_tiny::ExpectMatches({*got}, want, 1e-6);
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 // 8), with tiny buckets so that many buckets flush during backward.
 #include <memory>
 
+#include "common/comm/hash_store.h"
+#include "common/comm/nccl_process_group.h"
 #include "common/comm/testing/run_ranks.h"
 #include "common/optim/clip_grad.h"
 #include "common/optim/sgd.h"
@@ -165,6 +167,53 @@ INSTANTIATE_TEST_SUITE_P(Ranks, SddpGptCuda,
                          [](const auto& info) {
                            return ModeName(std::get<1>(info.param)) + "_n" + std::to_string(std::get<0>(info.param));
                          });
+
+// Over the NCCL backend: one rank on cuda:0 (NCCL takes one rank per GPU, and the machines tests run on have one).
+// Each mode's own small exchanges (the reducer's ready order; OSS's sharded norm, here through clipping) reach NCCL
+// as tensors on its device (Note [host tensors over device-only groups] in common/comm/host_staged.h): 10 steps
+// with clipping equal the same mode over the in-process group. Not exercised by one rank: the model check (skipped
+// at N = 1) and any exchange between GPUs.
+class SddpGptNccl : public ::testing::TestWithParam<Mode> {};
+
+absl::StatusOr<std::vector<std::vector<float>>> TrainWholeBatchOnGpu(Mode mode, std::shared_ptr<comm::ProcessGroup> pg,
+                                                                     int steps) {
+  nn::GPT model(TinyConfig(), 1);
+  model.to(Device::cuda(0));
+  auto t = Trainer::make(mode, model, std::move(pg), {.reduce_buffer_size = 300});
+  if (!t.ok()) return t.status();
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = Batch(step, 0, kBatch);
+    t->zero_grad();
+    if (absl::Status s = autograd::try_backward(model.loss(x.to(Device::cuda(0)), y.to(Device::cuda(0)))); !s.ok()) {
+      return s;
+    }
+    if (auto norm = t->clip_grad_norm(0.05); !norm.ok()) return norm.status();
+    if (absl::Status s = t->step(); !s.ok()) return s;
+  }
+  return Values(model);
+}
+
+TEST_P(SddpGptNccl, OneRankOverNcclEqualsTheInProcessGroup) {
+  SK_REQUIRE_CUDA_DEVICE("DDP / OSS / ShardedDDP over the NCCL backend");
+  if (!comm::nccl_backend_built()) GTEST_SKIP() << "built without NCCL";
+  std::vector<std::vector<float>> want;
+  ASSERT_TRUE(comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
+                auto v = TrainWholeBatchOnGpu(GetParam(), env.group_ptr, 10);
+                if (!v.ok()) return v.status();
+                want = std::move(*v);
+                return absl::OkStatus();
+              }).ok());
+  auto nccl = comm::create_nccl_group(std::make_shared<comm::HashStore>(), 0, 1, 0);
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  auto got = TrainWholeBatchOnGpu(GetParam(), *nccl, 10);
+  ASSERT_TRUE(got.ok()) << got.status();
+  test_util::ExpectMatches({*got}, want, 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SddpGptNccl,
+                         ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::oss_flat_ddp, Mode::sddp_greedy,
+                                           Mode::sddp_flat, Mode::sddp_flat_owner),
+                         [](const auto& info) { return ModeName(info.param); });
 
 class SddpGptOptions : public ::testing::TestWithParam<Mode> {};
 
