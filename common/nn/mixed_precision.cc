@@ -43,6 +43,9 @@ absl::Status validate_mixed_precision(const MixedPrecisionPolicy& policy, std::s
 Tensor rounded_to(const Tensor& src, DType dtype) {
   SK_CHECK(src.dtype() == DType::f32) << "rounded_to: expected an f32 tensor, found " << src.describe();
   SK_CHECK(is_floating(dtype)) << "rounded_to: expected a floating dtype, found " << dtype_name(dtype);
+  // On a device the bytes are not the host's: round through a tensor of `dtype` there (Tensor::to converts where
+  // the tensor is).
+  if (!src.device().is_cpu()) return dtype == DType::f32 ? src.clone() : src.to(dtype).to(DType::f32);
   Tensor out = Tensor::empty(src.shape(), TensorOptions{}.with_dtype(DType::f32));
   const float* s = src.data<float>();
   float* d = out.data<float>();

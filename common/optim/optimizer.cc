@@ -307,8 +307,11 @@ absl::Status Optimizer::load_state_dict(const OptimizerStateDict& dict) {
   for (const auto& [idx, st] : dict.state) {
     ParamState copy;
     copy.step = st.step;
-    for (const auto& [k, t] : st.tensors) copy.tensors[k] = t.clone(MemoryCategory::optimizer_state);
-    states[position_of.at(idx)] = std::move(copy);
+    const std::size_t at = position_of.at(idx);
+    // On the parameter's device, where the step's kernels read it (a CPU dict loads onto a CUDA parameter).
+    const Device device = param(static_cast<std::int64_t>(at)).device();
+    for (const auto& [k, t] : st.tensors) copy.tensors[k] = t.to(device, MemoryCategory::optimizer_state);
+    states[at] = std::move(copy);
   }
   states_ = std::move(states);
   for (std::size_t g = 0; g < groups_.size(); ++g) groups_[g].hyper = dict.param_groups[g].hyper;

@@ -37,9 +37,10 @@ absl::Status CheckEntry(const ParamState& st, const ParamSpec& param, const Opti
     if (!t.defined()) {
       return absl::InvalidArgumentError(absl::StrCat(where, "state '", k, "': expected a tensor, found undefined"));
     }
-    if (t.dtype() != DType::f32 || !t.device().is_cpu()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, "state '", k, "': expected an f32 CPU tensor, found ", t.describe()));
+    if (t.dtype() != DType::f32 || !(t.device().is_cpu() || t.device() == param.device)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "state '", k, "': expected an f32 CPU tensor",
+                                                     param.device.is_cpu() ? "" : " or one on the parameter's device",
+                                                     ", found ", t.describe()));
     }
     if (t.shape() != param.shape) {
       return absl::InvalidArgumentError(absl::StrCat(where, "state '", k, "': expected shape ",
