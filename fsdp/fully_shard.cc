@@ -108,7 +108,8 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   if (!params->empty()) {
     pg = std::make_unique<ParamGroup>(absl::StrCat(module.type_name(), " '", params->front().names.front(), "'..."),
                                       std::move(*params), group, std::move(replicate), options.timeout,
-                                      options.mp_policy, options.own_collective_min_numel);
+                                      options.mp_policy, options.own_collective_min_numel,
+                                      options.offload_policy.cpu);
   }
   if (pg != nullptr && reshard_group > 0) {
     if (absl::Status s = pg->enable_group_reshard(reshard_group); !s.ok()) return s;  // collective (a split)

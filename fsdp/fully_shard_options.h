@@ -12,6 +12,14 @@
 
 namespace shardkit::fsdp {
 
+// FSDP2's OffloadPolicy / CPUOffloadPolicy (Note [cpu offload] in fsdp/param_group.cc).
+struct OffloadPolicy {
+  // The unit's shards (the module's parameters at rest), their gradients and so the optimizer's state live in host
+  // memory, and an optimizer over model.parameters() steps them on the CPU; the parameters' device (a CUDA device)
+  // computes forward and backward on the unsharded parameters.
+  bool cpu = false;
+};
+
 struct FullyShardOptions {
   // After the unit's forward: true releases its unsharded parameters (all-gathered again, over the whole group,
   // before its backward); false keeps them from forward to the end of backward (less communication, more
@@ -47,6 +55,8 @@ struct FullyShardOptions {
   // Mixed precision (fsdp/mixed_precision.h): the dtypes of the all-gather, the forward values, the reduce-scatter
   // and the root's outputs. Default: f32 throughout.
   MixedPrecisionPolicy mp_policy = {};
+  // Where the shards live between steps (Note [cpu offload] in param_group.cc). Default: on the parameters' device.
+  OffloadPolicy offload_policy = {};
 };
 
 }  // namespace shardkit::fsdp

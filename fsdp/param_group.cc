@@ -26,6 +26,19 @@ Shape local_shape_of(const Shape& global, std::int64_t local_rows) {
 // before the collectives (a collective on device tensors waits for the caller's stream). fully_shard requires the
 // parameters of one call to share a device.
 
+// Note [cpu offload]
+// FSDP2's CPUOffloadPolicy (FullyShardOptions::offload_policy.cpu). The shard buffer, so the module's parameters
+// at rest, and the shards' gradients live in host memory (MemoryLocation::host in the ledger); an optimizer built
+// over model.parameters() finds them there and steps on the CPU with its CPU kernels, its state sized by the rows
+// and on the host too. The parameters' device keeps everything of a pass: the gather and reduce-scatter buffers,
+// the unsharded parameters and gradients, the k-shards. Per unshard this rank's shard is copied to the device
+// (shard_on_device(), a communication buffer the all-gather's Work holds until the peers have read it); per reduce
+// the reduced rows (after the HSDP all-reduce and the divide) are copied back to the host before they become or
+// join the shards' gradients; write_back() copies unsharded rows into the host shards. The copies are synchronous
+// (pageable host memory, no pinned staging yet), so they do not overlap the device's compute.
+// On CPU parameters the policy changes where nothing lives (host and compute device are the same memory) but the
+// copies still run: what the CPU tests exercise.
+
 // Copies `rows` rows of `row_numel` elements of `src` starting at element `src_offset` into `dst` at element
 // `dst_offset`, converting to dst's dtype; any devices.
 void copy_rows(const Tensor& dst, std::int64_t dst_offset, const Tensor& src, std::int64_t src_offset,
@@ -77,13 +90,14 @@ void zero_range(const Tensor& t, std::int64_t offset, std::int64_t n) {
 
 ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
                        std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout,
-                       MixedPrecisionPolicy mp, std::int64_t own_collective_min_numel)
+                       MixedPrecisionPolicy mp, std::int64_t own_collective_min_numel, bool cpu_offload)
     : name_(std::move(name)),
       params_(std::move(params)),
       pg_(std::move(group)),
       replicate_(std::move(replicate)),
       timeout_(timeout),
-      mp_(mp) {
+      mp_(mp),
+      offload_(cpu_offload) {
   const int rank = pg_->rank(), world = pg_->size();
   for (FSDPParam& p : params_) {
     p.split = split_rows(p.global_shape, rank, world);
@@ -104,7 +118,7 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
       (own ? own_numel_ : shared_numel_) += p.padded_numel();
     }
   }
-  shard_ = Tensor::zeros({s}, options(MemoryCategory::parameter));
+  shard_ = Tensor::zeros({s}, options(MemoryCategory::parameter).with_device(shard_device()));
   // The unsharded parameters are views of one buffer per unit (one allocation per unshard, released at rest).
   std::int64_t full_numel = 0;
   for (const FSDPParam& p : params_) full_numel += shape_numel(p.global_shape);
@@ -132,6 +146,10 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
     p.unsharded.set_requires_grad(true);
     p.register_as(p.sharded);
   }
+}
+
+Tensor ParamGroup::shard_on_device() const {
+  return offload_ ? shard_.to(device_, MemoryCategory::communication_buffer) : shard_;
 }
 
 absl::Status ParamGroup::enable_group_reshard(int k) {
@@ -181,10 +199,11 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
   h.own_ = own_unshard(dtype);
   // Note [own collectives]: the shared parameters through the gather buffer, the others straight into full_.
   const std::int64_t shared = h.own_ ? shared_numel_ : shard_.numel();
+  const Tensor shard = shard_on_device();  // the Works hold it until the peers have read it
   if (shared > 0) {
     h.gathered_ = Tensor::empty({shared * pg_->size()}, options(MemoryCategory::communication_buffer, dtype));
     // param_dtype: the shard cast for the all-gather (its Work holds the cast until the peers have read it).
-    const Tensor mine = shared == shard_.numel() ? shard_ : shard_.view(0, {shared});
+    const Tensor mine = shared == shard.numel() ? shard : shard.view(0, {shared});
     const Tensor send = dtype == DType::f32 ? mine : mine.to(dtype, MemoryCategory::communication_buffer);
     h.works_.push_back(pg_->all_gather(h.gathered_, send, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)}));
   }
@@ -194,7 +213,7 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
   for (const FSDPParam& p : params_) {
     if (!p.own_collective) continue;
     h.works_.push_back(pg_->all_gather(full_.view(p.full_offset, {p.unsharded.numel()}),
-                                       shard_.view(p.shard_offset, {p.padded_numel()}),
+                                       shard.view(p.shard_offset, {p.padded_numel()}),
                                        {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_, " ", p.names.front())}));
   }
   return h;
@@ -355,7 +374,7 @@ absl::Status ParamGroup::finish_reduce_grads() {
   }
   if (!wst.ok()) return wst;
   // The reduced rows land f32 (Note [mixed precision on f32 ops]).
-  const Tensor out = pending.out.dtype() == DType::f32 ? pending.out : pending.out.to(DType::f32, MemoryCategory::gradient);
+  Tensor out = pending.out.dtype() == DType::f32 ? pending.out : pending.out.to(DType::f32, MemoryCategory::gradient);
   pending.out = Tensor();
   if (replicate_ != nullptr) {  // Note [hybrid sharding]
     if (!pending.all_reduce_replicas) {
@@ -381,6 +400,7 @@ absl::Status ParamGroup::finish_reduce_grads() {
   if (pending.divide_factor) {
     kernels::scale(static_cast<float>(1.0 / *pending.divide_factor), out, out);
   }
+  if (offload_) out = out.to(Device::cpu(), MemoryCategory::gradient);  // Note [cpu offload]
   for (FSDPParam& p : params_) {
     if (!p.sharded.requires_grad()) continue;  // frozen: the optimizer must not step it
     const Tensor mine = out.view(p.shard_offset, p.local_shape);

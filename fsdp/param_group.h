@@ -15,7 +15,8 @@
 //             gradients are released. Large parameters without padding are reduce-scattered straight from their
 //             gradients (Note [own collectives] in param_group.cc).
 //
-// Every buffer lives on the parameters' device, CPU or CUDA (Note [unit on a device] in param_group.cc).
+// Every buffer lives on the parameters' device, CPU or CUDA (Note [unit on a device] in param_group.cc), except
+// the shard buffer and the sharded gradients under cpu offload, which live in host memory (Note [cpu offload]).
 //
 // Memory (ledger categories): the shard buffer and the unsharded tensors are `parameter`; the gather buffer and
 // the reduce_scatter input `communication_buffer`; the sharded gradients `gradient`. S includes padding:
@@ -47,9 +48,11 @@ class ParamGroup {
   // per replica), or nullptr.
   // `mp`: the dtypes of the all-gather and the reduce-scatter (Note [mixed precision on f32 ops] in
   // mixed_precision.h).
+  // `cpu_offload`: the shard buffer and the shards' gradients in host memory (Note [cpu offload] in the .cc).
   ParamGroup(std::string name, std::vector<FSDPParam> params, std::shared_ptr<comm::ProcessGroup> group,
              std::shared_ptr<comm::ProcessGroup> replicate, std::optional<absl::Duration> timeout,
-             MixedPrecisionPolicy mp = {}, std::int64_t own_collective_min_numel = INT64_MAX);
+             MixedPrecisionPolicy mp = {}, std::int64_t own_collective_min_numel = INT64_MAX,
+             bool cpu_offload = false);
   ParamGroup(const ParamGroup&) = delete;
   ParamGroup& operator=(const ParamGroup&) = delete;
 
@@ -125,6 +128,10 @@ class ParamGroup {
   TensorOptions options(MemoryCategory category, DType dtype = DType::f32) const {
     return TensorOptions{}.with_category(category).with_dtype(dtype).with_device(device_);
   }
+  // Where the shards and their gradients live: the host under cpu offload, else the parameters' device.
+  Device shard_device() const { return offload_ ? Device::cpu() : device_; }
+  // The shard buffer where the collectives read it: itself, or (cpu offload) a copy on the parameters' device.
+  Tensor shard_on_device() const;
 
   std::string name_;
   std::vector<FSDPParam> params_;
@@ -134,6 +141,7 @@ class ParamGroup {
   std::optional<absl::Duration> timeout_;
   MixedPrecisionPolicy mp_;
   Device device_ = Device::cpu();  // the parameters' (Note [unit on a device])
+  bool offload_ = false;           // Note [cpu offload]
   Tensor shard_;  // [S]: this rank's rows of every parameter, each followed by its padding
   // Note [own collectives]: the parameters sharing a collective come first in shard_ ([0, shared_numel_)), those
   // with their own after (own_numel_ elements).

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/autograd/grad_mode.h"
 #include "common/base/check.h"
+#include "common/comm/host_staged.h"
 #include "common/optim/state_dict_validation.h"
 #include "fsdp/fully_shard.h"
 
@@ -43,7 +44,9 @@ absl::StatusOr<Tensor> gather_rows(const FSDPParam& p, const Tensor& local, comm
   Tensor send = Tensor::zeros({padded}, comm_opts);
   if (local.numel() > 0) send.view(0, {local.numel()}).copy_(local.flatten());
   Tensor all = Tensor::empty({padded * world}, comm_opts);
-  if (absl::Status s = pg.all_gather(all, send, {.tag = absl::StrCat("fsdp state ", p.names.front())})->wait(); !s.ok()) {
+  // all_gather_host: optimizer state is on the host under cpu offload, whatever the group moves.
+  if (absl::Status s = comm::all_gather_host(pg, all, send, {.tag = absl::StrCat("fsdp state ", p.names.front())});
+      !s.ok()) {
     return s;
   }
   Tensor full = Tensor::empty(p.global_shape, TensorOptions{}.with_category(MemoryCategory::other).with_device(local.device()));

@@ -1,4 +1,4 @@
-// Collectives on host tensors over any group, NCCL included: a layer's own small exchanges.
+// Collectives on tensors of any device over any group, NCCL included: a layer's own small exchanges.
 //
 // Note [host tensors over device-only groups]
 // Besides the model's tensors, the sharding layers exchange small tensors of their own, built and read on the

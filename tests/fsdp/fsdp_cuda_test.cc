@@ -3,6 +3,7 @@
 // CUDA tensors]), against single-rank training on that GPU and against the same sharded run on CPU ranks. Every case
 // skips without a CUDA device.
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -15,6 +16,7 @@
 #include "common/comm/testing/run_ranks.h"
 #include "common/optim/adam.h"
 #include "common/optim/clip_grad.h"
+#include "common/tensor/memory_tracker.h"
 #include "fsdp/clip_grad.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/mixed_precision.h"
@@ -203,6 +205,50 @@ TEST(FsdpGptCudaPaths, FullStateDictsReloadedOnTheGpuContinueTheRun) {
     SCOPED_TRACE(host_copy ? "optimizer state copied to the host" : "optimizer state as returned (on the device)");
     gpt_tiny::ExpectMatches(TrainWithReload(true, host_copy), want, 1e-6);
   }
+}
+
+// CPU offload on a GPU (Note [cpu offload] in fsdp/param_group.cc): the shards, their gradients and the AdamW state
+// live in host memory (the device side of the ledger holds none of them at rest), the optimizer steps there with
+// the CPU kernels, and 10 steps equal the run without offload (AdamW's CPU and CUDA kernels may round differently).
+TEST(FsdpGptCudaPaths, CpuOffloadEqualsNoOffloadWithTheModelStateOnTheHost) {
+  SK_REQUIRE_CUDA_DEVICE("fully_shard with cpu offload on one GPU");
+  auto train = [](bool offload) {
+    std::vector<std::vector<std::vector<float>>> got(2);
+    absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+      const MemoryTracker& mem = *env.context.memory;
+      nn::GPT model(TinyConfig(), 1);
+      model.to(Device::cuda(0));
+      const FullyShardOptions options{.reshard_after_forward = true, .offload_policy = {.cpu = offload}};
+      if (absl::Status s = test_util::ShardGpt(model, env, options); !s.ok()) return s;
+      std::unique_ptr<optim::Optimizer> opt;
+      {
+        MemoryCategoryScope cat(MemoryCategory::optimizer_state);
+        auto made = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+        if (!made.ok()) return made.status();
+        opt = std::move(*made);
+      }
+      const int rows = kBatch / 2;
+      for (int step = 0; step < 10; ++step) {
+        auto [x, y] = Batch(step, env.rank * rows, rows);
+        opt->zero_grad();
+        if (absl::Status s = autograd::try_backward(model.loss(x.to(Device::cuda(0)), y.to(Device::cuda(0)))); !s.ok()) {
+          return s;
+        }
+        MemoryCategoryScope cat(MemoryCategory::optimizer_state);
+        if (absl::Status s = opt->step(); !s.ok()) return s;
+      }
+      const MemorySnapshot at_rest = mem.snapshot();
+      for (const MemoryCategory c : {MemoryCategory::parameter, MemoryCategory::gradient, MemoryCategory::optimizer_state}) {
+        const MemoryLocation moved = offload ? MemoryLocation::device : MemoryLocation::host;
+        EXPECT_EQ(at_rest.at(moved).current_of(c), 0) << "category " << static_cast<int>(c) << ", offload " << offload;
+        EXPECT_GT(at_rest.at(offload ? MemoryLocation::host : MemoryLocation::device).current_of(c), 0);
+      }
+      return test_util::StoreFullValues(model, got, env.rank);
+    });
+    EXPECT_TRUE(st.ok()) << st;
+    return got;
+  };
+  gpt_tiny::ExpectMatches(train(true), train(false)[0], 1e-5);
 }
 
 // Over the NCCL backend, one rank on cuda:0 (NCCL takes one rank per GPU): the unit's all-gathers and
