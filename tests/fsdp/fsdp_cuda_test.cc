@@ -11,8 +11,6 @@
 #include <vector>
 
 #include "common/comm/device_mesh.h"
-#include "common/comm/hash_store.h"
-#include "common/comm/nccl_process_group.h"
 #include "common/comm/testing/run_ranks.h"
 #include "common/optim/adam.h"
 #include "common/optim/clip_grad.h"
@@ -25,6 +23,7 @@
 #include "tests/common/tensor/cuda_test_util.h"
 #include "tests/fsdp/fsdp_test_util.h"
 #include "tests/testing/gpt_tiny_data.h"
+#include "tests/testing/one_rank_nccl.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -256,7 +255,6 @@ TEST(FsdpGptCudaPaths, CpuOffloadEqualsNoOffloadWithTheModelStateOnTheHost) {
 // device-only groups] in common/comm/host_staged.h); 10 steps equal the same run over the in-process group.
 TEST(FsdpGptNccl, OneRankOverNcclEqualsTheInProcessGroup) {
   SK_REQUIRE_CUDA_DEVICE("fully_shard over the NCCL backend");
-  if (!comm::nccl_backend_built()) GTEST_SKIP() << "built without NCCL";
   auto train = [](std::shared_ptr<comm::ProcessGroup> pg) -> absl::StatusOr<std::vector<std::vector<float>>> {
     nn::GPT model(TinyConfig(), 1);
     model.to(Device::cuda(0));
@@ -277,18 +275,7 @@ TEST(FsdpGptNccl, OneRankOverNcclEqualsTheInProcessGroup) {
     }
     return test_util::FullValues(model);
   };
-  std::vector<std::vector<float>> want;
-  ASSERT_TRUE(comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
-                auto v = train(env.group_ptr);
-                if (!v.ok()) return v.status();
-                want = std::move(*v);
-                return absl::OkStatus();
-              }).ok());
-  auto nccl = comm::create_nccl_group(std::make_shared<comm::HashStore>(), 0, 1, 0);
-  ASSERT_TRUE(nccl.ok()) << nccl.status();
-  auto got = train(*nccl);
-  ASSERT_TRUE(got.ok()) << got.status();
-  gpt_tiny::ExpectMatches({*got}, want, 1e-6);
+  gpt_tiny::ExpectOneRankOverNcclEqualsInProcess(train, 1e-6);
 }
 
 }  // namespace

@@ -3,8 +3,6 @@
 // 8), with tiny buckets so that many buckets flush during backward.
 #include <memory>
 
-#include "common/comm/hash_store.h"
-#include "common/comm/nccl_process_group.h"
 #include "common/comm/testing/run_ranks.h"
 #include "common/optim/clip_grad.h"
 #include "common/optim/sgd.h"
@@ -12,6 +10,7 @@
 #include "sddp/data_parallel.h"
 #include "tests/common/tensor/cuda_test_util.h"
 #include "tests/sddp/sddp_test_util.h"
+#include "tests/testing/one_rank_nccl.h"
 
 namespace shardkit::sddp {
 namespace {
@@ -195,19 +194,8 @@ absl::StatusOr<std::vector<std::vector<float>>> TrainWholeBatchOnGpu(Mode mode, 
 
 TEST_P(SddpGptNccl, OneRankOverNcclEqualsTheInProcessGroup) {
   SK_REQUIRE_CUDA_DEVICE("DDP / OSS / ShardedDDP over the NCCL backend");
-  if (!comm::nccl_backend_built()) GTEST_SKIP() << "built without NCCL";
-  std::vector<std::vector<float>> want;
-  ASSERT_TRUE(comm::RunRanks(1, [&](comm::RankEnv& env) -> absl::Status {
-                auto v = TrainWholeBatchOnGpu(GetParam(), env.group_ptr, 10);
-                if (!v.ok()) return v.status();
-                want = std::move(*v);
-                return absl::OkStatus();
-              }).ok());
-  auto nccl = comm::create_nccl_group(std::make_shared<comm::HashStore>(), 0, 1, 0);
-  ASSERT_TRUE(nccl.ok()) << nccl.status();
-  auto got = TrainWholeBatchOnGpu(GetParam(), *nccl, 10);
-  ASSERT_TRUE(got.ok()) << got.status();
-  test_util::ExpectMatches({*got}, want, 1e-6);
+  gpt_tiny::ExpectOneRankOverNcclEqualsInProcess(
+      [](std::shared_ptr<comm::ProcessGroup> pg) { return TrainWholeBatchOnGpu(GetParam(), std::move(pg), 10); }, 1e-6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, SddpGptNccl,
