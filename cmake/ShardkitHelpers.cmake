@@ -89,6 +89,17 @@ function(shardkit_test name)
     PROPERTIES LABELS "${labels}" TIMEOUT ${ARG_TIMEOUT})
 endfunction()
 
+# shardkit_test_link_cuda(NAME): a test binary with CUDA cases gets the device they run on: shardkit::cuda (Note
+# [cuda component]) in a CUDA build, the CPU emulation of its seams under SHARDKIT_CUDA_EMULATOR (Note [cuda
+# emulator]), else nothing (its CUDA cases skip).
+function(shardkit_test_link_cuda name)
+  if(TARGET shardkit::cuda)
+    target_link_libraries(${name} PRIVATE shardkit::cuda)
+  elseif(TARGET shardkit_cuda_emulator)
+    target_link_libraries(${name} PRIVATE shardkit_cuda_emulator)
+  endif()
+endfunction()
+
 # shardkit_bench(NAME SOURCES ... DEPS ...) builds a Google Benchmark binary in build/bench/.
 function(shardkit_bench name)
   cmake_parse_arguments(ARG "" "" "SOURCES;DEPS" ${ARGN})
