@@ -49,6 +49,25 @@ TEST(CudaKernelsTest, CublasLoadsWithoutADevice) {
 #endif
 }
 
+#ifdef SHARDKIT_CUDA_EMULATOR
+// What the CUDA emulator is for (Note [cuda emulator] in tests/testing/cuda_emulator): the host touching device
+// memory faults at the access, and bytes nobody wrote read as NaN.
+TEST(CudaEmulatorTest, HostAccessOfDeviceMemoryFaultsAndFreshBytesAreNan) {
+  const Tensor t = Tensor::empty({300}, TensorOptions{}.with_device(Device::cuda(0)));
+  for (const float v : t.to(Device::cpu()).to_vector()) ASSERT_TRUE(std::isnan(v));
+  EXPECT_DEATH(
+      {
+        volatile float x = static_cast<const float*>(t.raw_data())[7];
+        (void)x;
+      },
+      "");
+  // A kernel on it in between (a copy in, a cast) leaves it protected again afterwards.
+  t.copy_(Tensor::full({300}, 2.0));
+  EXPECT_EQ(t.to(Device::cpu()).to_vector()[7], 2.0f);
+  EXPECT_DEATH(static_cast<float*>(t.raw_data())[7] = 1.0f, "");
+}
+#endif
+
 // Tensor::zeros and zero_ on a device: the bytes are zero (cudaMalloc's are not), in every dtype.
 TEST(CudaKernelsTest, TensorZerosAndZeroOnADeviceAreZero) {
   SK_REQUIRE_CUDA_DEVICE("CUDA kernels");

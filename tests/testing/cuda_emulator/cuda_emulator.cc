@@ -38,6 +38,8 @@
 #include <thread>
 #include <set>
 #include <atomic>
+#include <bit>
+#include <cstdint>
 
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/gemm.h"
@@ -48,24 +50,36 @@
 namespace shardkit {
 namespace {
 
-std::map<char*, std::size_t> g_allocs;  // base -> requested bytes
+// Device memory: blocks of one reserved region (kArenaBytes of address space, pages only where used), in power-of-
+// two size classes of at least 256 bytes (cudaMalloc's alignment), reused through per-class free lists. Blocks are
+// PROT_NONE; while an emulated kernel or copy runs (an Open scope), each block it is given (Dev() checks every
+// pointer) is made accessible, and every such block is PROT_NONE again when the outermost scope closes.
+constexpr std::size_t kArenaBytes = std::size_t{16} << 30;
+constexpr std::size_t kMinBlock = 256;
+char* g_arena = nullptr;
+std::size_t g_arena_used = 0;                             // bytes handed out from the region's start (high water)
+std::map<std::size_t, std::vector<char*>> g_free_blocks;  // class size -> blocks
+std::map<char*, std::size_t> g_allocs;                    // base -> requested bytes
 int g_open = 0;
-long g_kernels = 0;
+std::vector<std::pair<char*, std::size_t>> g_opened;  // blocks made accessible in the current Open scope
+std::set<char*> g_opened_bases;                       // their bases
 
-std::size_t Round(std::size_t n) {
-  const std::size_t pg = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  return (std::max<std::size_t>(n, 1) + pg - 1) / pg * pg;
-}
-void ProtectAll(int prot) {
-  for (auto& [p, n] : g_allocs) mprotect(p, Round(n), prot);
+std::size_t PageSize() { return static_cast<std::size_t>(sysconf(_SC_PAGESIZE)); }
+std::size_t BlockSize(std::size_t n) { return std::bit_ceil(std::max(n, kMinBlock)); }
+// The pages covering [p, p + n), made `prot`.
+void Protect(char* p, std::size_t n, int prot) {
+  const std::size_t pg = PageSize();
+  const auto lo = reinterpret_cast<std::uintptr_t>(p) / pg * pg;
+  const auto hi = (reinterpret_cast<std::uintptr_t>(p) + n + pg - 1) / pg * pg;
+  if (hi > lo) mprotect(reinterpret_cast<void*>(lo), hi - lo, prot);
 }
 struct Open {
-  Open() {
-    if (g_open++ == 0) ProtectAll(PROT_READ | PROT_WRITE);
-    ++g_kernels;
-  }
+  Open() { ++g_open; }
   ~Open() {
-    if (--g_open == 0) ProtectAll(PROT_NONE);
+    if (--g_open > 0) return;
+    for (const auto& [p, size] : g_opened) Protect(p, size, PROT_NONE);
+    g_opened.clear();
+    g_opened_bases.clear();
   }
 };
 
@@ -85,6 +99,11 @@ void Dev(const void* ptr, std::size_t bytes, const char* what) {
   if (p < it->first || p + bytes > it->first + it->second) {
     Fail(std::string(what) + ": range [" + std::to_string(p - it->first) + ", +" + std::to_string(bytes) +
          ") outside its allocation of " + std::to_string(it->second) + " bytes (or a host pointer)");
+  }
+  // Inside a kernel or copy: its block becomes accessible until the outermost Open scope closes.
+  if (g_open > 0 && g_opened_bases.insert(it->first).second) {
+    g_opened.emplace_back(it->first, BlockSize(it->second));
+    Protect(it->first, BlockSize(it->second), PROT_READ | PROT_WRITE);
   }
 }
 void Guard(Device d) {
@@ -133,11 +152,25 @@ template <typename R, typename... A, R (*F)(A...)> struct Synced<F> {
 void* Allocate(Device d, std::size_t nbytes) {
   std::lock_guard<std::recursive_mutex> l(g_mu);
   Guard(d);
-  void* p = mmap(nullptr, Round(nbytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) Fail("mmap");
-  std::memset(p, 0xff, nbytes);
-  if (g_open == 0) mprotect(p, Round(nbytes), PROT_NONE);
-  g_allocs[static_cast<char*>(p)] = nbytes;
+  if (g_arena == nullptr) {
+    void* region = mmap(nullptr, kArenaBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (region == MAP_FAILED) Fail("mmap of the emulated device memory");
+    g_arena = static_cast<char*>(region);
+  }
+  const std::size_t size = BlockSize(nbytes);
+  char* p = nullptr;
+  if (auto& blocks = g_free_blocks[size]; !blocks.empty()) {
+    p = blocks.back();
+    blocks.pop_back();
+  } else {
+    if (g_arena_used + size > kArenaBytes) Fail("out of emulated device memory");
+    p = g_arena + g_arena_used;
+    g_arena_used += size;
+  }
+  Protect(p, size, PROT_READ | PROT_WRITE);
+  std::memset(p, 0xff, size);  // NaN floats: a read of bytes nobody wrote shows
+  Protect(p, size, PROT_NONE);
+  g_allocs[p] = nbytes;
   return p;
 }
 // cudaFreeAsync on the legacy stream: after everything every thread queued so far.
@@ -150,7 +183,7 @@ void Free(Device, void* p) noexcept {
     std::fprintf(stderr, "cuda emulator: free of unknown pointer\n");
     std::abort();
   }
-  munmap(p, Round(it->second));
+  g_free_blocks[BlockSize(it->second)].push_back(it->first);
   g_allocs.erase(it);
 }
 void Zero(Device d, void* p, std::size_t n) {
@@ -529,6 +562,7 @@ void AdamStep(Device d, DType pd, DType gd, absl::Span<const optim::cuda::AdamTe
   for (const auto& t : ts) {
     Dev(t.w, t.n * 4, "adam w"); Dev(t.m, t.n * 4, "adam m"); Dev(t.v, t.n * 4, "adam v");
     Dev(t.grad, t.n * dtype_size(gd), "adam grad");
+    if (t.param_out != nullptr) Dev(t.param_out, t.n * dtype_size(pd), "adam param_out");
     optim::fused::AdamCoeffs cc = c;
     cc.step_size = t.step_size;
     cc.inv_sqrt_bc2 = t.inv_sqrt_bc2;
@@ -540,6 +574,7 @@ void SgdStep(Device d, DType pd, DType gd, absl::Span<const optim::cuda::SgdTens
   for (const auto& t : ts) {
     Dev(t.w, t.n * 4, "sgd w"); Dev(t.grad, t.n * dtype_size(gd), "sgd grad");
     if (t.buf) Dev(t.buf, t.n * 4, "sgd buf");
+    if (t.param_out != nullptr) Dev(t.param_out, t.n * dtype_size(pd), "sgd param_out");
     optim::fused::SgdCoeffs cc = c;
     cc.keep = t.keep;
     cc.take = t.take;
