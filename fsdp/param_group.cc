@@ -6,6 +6,7 @@
 #include "common/base/check.h"
 #include "common/kernels/elementwise.h"
 #include "common/nn/deferred_init.h"
+#include "common/tensor/pinned_host_source.h"
 #include "common/tensor/storage.h"
 
 namespace shardkit::fsdp {
@@ -34,8 +35,10 @@ Shape local_shape_of(const Shape& global, std::int64_t local_rows) {
 // the unsharded parameters and gradients, the k-shards. Per unshard this rank's shard is copied to the device
 // (shard_on_device(), a communication buffer the all-gather's Work holds until the peers have read it); per reduce
 // the reduced rows (after the HSDP all-reduce and the divide) are copied back to the host before they become or
-// join the shards' gradients; write_back() copies unsharded rows into the host shards. The copies are synchronous
-// (pageable host memory, no pinned staging yet), so they do not overlap the device's compute.
+// join the shards' gradients; write_back() copies unsharded rows into the host shards. The shard buffer is pinned
+// (PinnedHostSource: page-locked when the program can pin memory), so its copy to the device runs by DMA; the
+// reduced rows land in ordinary host memory (a new buffer each step, which pinned memory's costly free would slow
+// down). The copies are synchronous, so they do not overlap the device's compute.
 // On CPU parameters the policy changes where nothing lives (host and compute device are the same memory) but the
 // copies still run: what the CPU tests exercise.
 
@@ -118,7 +121,12 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
       (own ? own_numel_ : shared_numel_) += p.padded_numel();
     }
   }
-  shard_ = Tensor::zeros({s}, options(MemoryCategory::parameter).with_device(shard_device()));
+  {
+    // Note [cpu offload]: the host shard is pinned, copied to the device at every unshard.
+    std::optional<HostBlockSourceScope> pinned;
+    if (offload_) pinned.emplace(std::make_shared<PinnedHostSource>());
+    shard_ = Tensor::zeros({s}, options(MemoryCategory::parameter).with_device(shard_device()));
+  }
   // The unsharded parameters are views of one buffer per unit (one allocation per unshard, released at rest).
   std::int64_t full_numel = 0;
   for (const FSDPParam& p : params_) full_numel += shape_numel(p.global_shape);

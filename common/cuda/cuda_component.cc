@@ -17,6 +17,8 @@ constexpr detail::CudaMemoryOps kMemory{
     .device_count = &detail::cuda_impl::cuda_device_count,
     .copy = &detail::cuda_impl::cuda_copy,
     .synchronize = &detail::cuda_impl::cuda_synchronize,
+    .host_alloc = &detail::cuda_impl::cuda_host_alloc,
+    .host_free = &detail::cuda_impl::cuda_host_free,
 };
 
 namespace kc = kernels::cuda::cuda_impl;

@@ -53,6 +53,16 @@ void cuda_synchronize(Device device) {
   ops->synchronize(device);
 }
 
+void* cuda_host_alloc(std::size_t nbytes) noexcept {
+  const CudaMemoryOps* ops = g_cuda_memory.get();
+  return ops != nullptr ? ops->host_alloc(nbytes) : nullptr;
+}
+
+void cuda_host_free(void* ptr) noexcept {
+  // Pinned memory can only come from a registered implementation.
+  if (const CudaMemoryOps* ops = g_cuda_memory.get()) ops->host_free(ptr);
+}
+
 int cuda_device_count() noexcept {
   const CudaMemoryOps* ops = g_cuda_memory.get();
   return ops != nullptr ? ops->device_count() : 0;

@@ -28,6 +28,11 @@ void cuda_copy(const void* src, DType src_dtype, Device src_device, void* dst, D
                std::int64_t n);
 // Waits until every kernel the calling thread queued on `device` has finished.
 void cuda_synchronize(Device device);
+// Page-locked ("pinned") host memory (cudaHostAlloc): copies between it and a device run by DMA, without the
+// driver's staging through pageable buffers. nullptr when the program has no CUDA implementation or the driver
+// refuses; the caller then uses ordinary host memory. cuda_host_free gives back what cuda_host_alloc returned.
+void* cuda_host_alloc(std::size_t nbytes) noexcept;
+void cuda_host_free(void* ptr) noexcept;
 
 // Why CUDA is not available in this program: "shardkit was built without CUDA", or (a build with CUDA)
 // that the program does not link shardkit::cuda. Kernels and the NCCL backend use it in their errors.
@@ -41,6 +46,8 @@ struct CudaMemoryOps {
   decltype(&detail::cuda_device_count) device_count;
   decltype(&detail::cuda_copy) copy;
   decltype(&detail::cuda_synchronize) synchronize;
+  decltype(&detail::cuda_host_alloc) host_alloc;
+  decltype(&detail::cuda_host_free) host_free;
 };
 
 // Called once by shardkit::cuda's static initialiser; `ops` must outlive the program (a constant).
@@ -55,6 +62,8 @@ decltype(detail::cuda_zero) cuda_zero;
 decltype(detail::cuda_device_count) cuda_device_count;
 decltype(detail::cuda_copy) cuda_copy;
 decltype(detail::cuda_synchronize) cuda_synchronize;
+decltype(detail::cuda_host_alloc) cuda_host_alloc;
+decltype(detail::cuda_host_free) cuda_host_free;
 }  // namespace cuda_impl
 
 }  // namespace shardkit::detail

@@ -71,6 +71,19 @@ void cuda_free(Device device, void* ptr) noexcept {
   }
 }
 
+void* cuda_host_alloc(std::size_t nbytes) noexcept {
+  void* p = nullptr;
+  if (cudaHostAlloc(&p, nbytes, cudaHostAllocPortable) != cudaSuccess) {
+    cudaGetLastError();  // the caller falls back to pageable memory; leave no sticky error behind
+    return nullptr;
+  }
+  return p;
+}
+
+void cuda_host_free(void* ptr) noexcept {
+  if (ptr != nullptr) cudaFreeHost(ptr);
+}
+
 void cuda_zero(Device device, void* ptr, std::size_t nbytes) {
   SK_CHECK(device.is_cuda());
   cudaError_t err = cudaSetDevice(device.index);

@@ -21,6 +21,8 @@ class HostBlockSource {
   virtual void* allocate(std::size_t nbytes) = 0;
   // Gives back `data`, which allocate(nbytes) returned.
   virtual void free(void* data, std::size_t nbytes) = 0;
+  // Whether `data` (from allocate) is page-locked host memory (pinned_host_source.h).
+  virtual bool pinned(const void* data) const { return false; }
 };
 
 // The source installed on the calling thread; nullptr: the heap.

@@ -44,6 +44,8 @@ class Storage {
   MemoryCategory category() const { return category_; }
   bool released() const { return data_ == nullptr && nbytes_ > 0; }
   bool borrowed() const { return borrowed_; }
+  // Page-locked host memory (from a PinnedHostSource that could pin it: pinned_host_source.h).
+  bool pinned() const { return data_ != nullptr && source_ != nullptr && source_->pinned(data_); }
   const std::shared_ptr<MemoryTracker>& tracker() const { return tracker_; }
 
   // Frees the bytes and credits the ledger. Idempotent. Not allowed on borrowed storage.

@@ -237,6 +237,7 @@ TEST(FsdpGptCudaPaths, CpuOffloadEqualsNoOffloadWithTheModelStateOnTheHost) {
         if (absl::Status s = opt->step(); !s.ok()) return s;
       }
       const MemorySnapshot at_rest = mem.snapshot();
+      EXPECT_EQ(sharded_parameters(model).front().local.storage()->pinned(), offload) << "the host shards are pinned";
       for (const MemoryCategory c : {MemoryCategory::parameter, MemoryCategory::gradient, MemoryCategory::optimizer_state}) {
         const MemoryLocation moved = offload ? MemoryLocation::device : MemoryLocation::host;
         EXPECT_EQ(at_rest.at(moved).current_of(c), 0) << "category " << static_cast<int>(c) << ", offload " << offload;

@@ -85,7 +85,8 @@ TEST(FsdpOffload, SameBitsAsWithoutOffloadInEveryCombination) {
 }
 
 // A CPU parameter under offload is still the shard the optimizer steps: the module's parameters at rest are the
-// host shards (same shapes and rows as without offload), and they hold gradients after backward.
+// host shards (same shapes and rows as without offload, not pinned in a program without CUDA), and they hold
+// gradients after backward.
 TEST(FsdpOffload, ParametersAtRestAreTheHostShardsWithGradients) {
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
@@ -96,6 +97,7 @@ TEST(FsdpOffload, ParametersAtRestAreTheHostShardsWithGradients) {
     if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
     for (const ShardedTensor& t : shards) {
       EXPECT_TRUE(t.local.device().is_cpu());
+      EXPECT_FALSE(t.local.storage()->pinned()) << "no CUDA in this program: the heap's bytes";
       EXPECT_EQ(t.local.shape()[0], split_rows(t.global_shape, env.rank, 2).local_rows);
       EXPECT_TRUE(t.local.numel() == 0 || t.local.grad().defined()) << t.local.describe();
     }

@@ -7,6 +7,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/tensor/device_memory.h"
+#include "common/tensor/pinned_host_source.h"
 #include "common/tensor/rank_context.h"
 #include "common/tensor/storage.h"
 #include "gtest/gtest.h"
@@ -77,6 +79,36 @@ TEST(HostBlockSourceTest, TheLastReferenceMayGoOnAnotherThreadAndScopesNest) {
   EXPECT_EQ(inner->freed, 1);
   a.reset();
   EXPECT_EQ(outer->freed, 1);
+}
+
+}  // namespace
+}  // namespace shardkit
+
+namespace shardkit {
+namespace {
+
+// PinnedHostSource (pinned_host_source.h): host bytes a Storage reads and writes like any others, page-locked
+// exactly when the program can pin memory (a CUDA device is usable: shardkit::cuda with a GPU, or the CUDA
+// emulator), the heap's otherwise; given back to the source when released; charged to the host ledger.
+TEST(PinnedHostSourceTest, HostBytesPinnedWhenADeviceIsUsable) {
+  RankContext ctx;
+  RankContextScope rank(ctx);
+  auto source = std::make_shared<PinnedHostSource>();
+  std::shared_ptr<Storage> s;
+  {
+    HostBlockSourceScope scope(source);
+    s = Storage::allocate(1000, Device::cpu(), MemoryCategory::parameter);
+  }
+  const bool can_pin = detail::cuda_device_count() > 0;
+  EXPECT_EQ(s->pinned(), can_pin);
+  static_cast<char*>(s->data())[999] = 7;
+  EXPECT_EQ(static_cast<char*>(s->data())[999], 7);
+  EXPECT_EQ(ctx.memory->snapshot().at(MemoryLocation::host).current_of(MemoryCategory::parameter), 1000);
+  s->release();
+  EXPECT_FALSE(s->pinned());
+  s.reset();
+  EXPECT_EQ(ctx.memory->current(MemoryCategory::parameter), 0);
+  EXPECT_FALSE(Storage::allocate(64, Device::cpu(), MemoryCategory::other)->pinned()) << "the heap's";
 }
 
 }  // namespace

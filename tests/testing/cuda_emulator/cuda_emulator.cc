@@ -194,6 +194,9 @@ void Zero(Device d, void* p, std::size_t n) {
   Dev(p, n, "cuda_zero");
   std::memset(p, 0, n);
 }
+// Pinned host memory is host memory the host may touch: the heap, 64-byte aligned as Storage requires.
+void* HostAlloc(std::size_t nbytes) noexcept { return std::aligned_alloc(64, (std::max<std::size_t>(nbytes, 1) + 63) / 64 * 64); }
+void HostFree(void* p) noexcept { std::free(p); }
 void SyncDev(Device d) { Guard(d); FlushMine(); }
 int Count() noexcept { return 1; }
 
@@ -610,7 +613,8 @@ void cuda_synchronize(Device device) { SyncDev(device); }
 namespace {
 constexpr detail::CudaMemoryOps kMemory{.allocate = &Allocate, .free = &Free, .zero = &Zero, .device_count = &Count,
                                          .copy = &detail::cuda_impl::cuda_copy,
-                                         .synchronize = &detail::cuda_impl::cuda_synchronize};
+                                         .synchronize = &detail::cuda_impl::cuda_synchronize,
+                                         .host_alloc = &HostAlloc, .host_free = &HostFree};
 constexpr kernels::cuda::CudaKernelOps kKernels{
     .gemm = &Defer<&Gemm>::run, .cublas_load_error = &CublasError, .sum = &Synced<&Sum>::run,
     .sum_squares = &Synced<&SumSq>::run, .max_abs = &Synced<&MaxAbs>::run,
