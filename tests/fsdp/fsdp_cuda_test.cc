@@ -1,7 +1,7 @@
 // fully_shard on one GPU (issue 14 acceptance; Note [unit on a device] in fsdp/param_group.cc): simulated ranks
 // (threads) whose models all live on cuda:0, collectives through the in-process group's CUDA path (Note [in-process
 // CUDA tensors]), against single-rank training on that GPU and against the same sharded run on CPU ranks. Every case
-// skips without a CUDA device.
+// skips without a CUDA device; CI's sanitizer build runs them against the CUDA emulator (Note [cuda emulator]).
 #include <limits>
 #include <memory>
 #include <optional>

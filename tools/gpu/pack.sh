@@ -30,6 +30,9 @@ for t in "${targets[@]}"; do
     while read -r lib; do cp -Ln "$lib" gpu-pack/lib/ 2>/dev/null || true; done
 done
 cp tools/gpu/run.sh bench/gpt2_vs_torch.py gpu-pack/
+# The libraries go compressed (OpenBLAS alone is 36 MiB, a fifth of that gzipped); run.sh unpacks them.
+tar -C gpu-pack -czf gpu-pack/lib.tar.gz lib
+rm -rf gpu-pack/lib
 size=$(du -sm gpu-pack | cut -f1)
 echo "pack: gpu-pack/ holds ${size} MiB: $(ls gpu-pack/bin | tr '\n' ' ')"
 if ((size > 64)); then echo "pack: over the device tool's 64 MiB"; exit 1; fi

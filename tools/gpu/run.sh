@@ -9,7 +9,13 @@ out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
 # PyTorch's pip packages hold NCCL, cuBLAS and the rest under site-packages/nvidia/<name>/lib.
 nv=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]) + "/nvidia")' 2>/dev/null || true)
-libs="$here/lib"
+# pack.sh ships the libraries as lib.tar.gz (the carried folder's 64 MiB); unpacked next to the results' scratch.
+libdir="$here/lib"
+if [[ -f "$here/lib.tar.gz" ]]; then
+  libdir=$(mktemp -d)
+  tar -xzf "$here/lib.tar.gz" -C "$libdir" --strip-components=1
+fi
+libs="$libdir"
 for d in "$nv"/*/lib; do [[ -d "$d" ]] && libs="$libs:$d"; done
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 {

@@ -19,8 +19,9 @@
 // The kernels compute in plain CPU fp32 loops mirroring the .cu files (warp sums as 32 lane partials, column sums
 // in chunks of 64 rows), under one process-wide lock: the emulated device is process-global state, as a real
 // device is. It does not emulate the .cu code itself, numerics of cuBLAS or GPU reductions, concurrency between
-// streams, several devices, pinned memory or NCCL (the NCCL cases still skip). Passing here is no evidence of
-// speed or of the device kernels' correctness; failing here is a bug in the device paths (or in this file).
+// streams, several devices, page locking (its pinned memory is the heap's) or NCCL (the NCCL cases still skip).
+// Passing here is no evidence of speed or of the device kernels' correctness; failing here is a bug in the device
+// paths (or in this file).
 #include <sys/mman.h>
 #include <unistd.h>
 
