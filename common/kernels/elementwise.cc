@@ -1,6 +1,7 @@
 #include "common/kernels/elementwise.h"
 
 #include <initializer_list>
+#include <type_traits>
 
 #include "common/kernels/cuda/cuda_kernels.h"
 
@@ -114,6 +115,37 @@ void fill(const Tensor& x, float value) {
   if (x.numel() == 0) return;
   if (x.device().is_cuda()) return cuda::fill(x.device(), Out(x), x.numel(), value);
   fill(Out(x), x.numel(), value);
+}
+
+namespace {
+
+template <typename T>
+void ScaleInPlace(T* __restrict x, std::int64_t n, float s) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<T, float>) x[i] *= s;
+    else if constexpr (std::is_same_v<T, bf16_t>) x[i] = f32_to_bf16(bf16_to_f32(x[i]) * s);
+    else x[i] = f32_to_f16(f16_to_f32(x[i]) * s);
+  }
+}
+
+}  // namespace
+
+void scale_(float s, const Tensor& x) {
+  SK_CHECK(is_floating(x.dtype())) << "scale_: expected a floating tensor, found " << x.describe();
+  if (x.numel() == 0) return;
+  if (x.device().is_cuda()) {
+    if (x.dtype() == DType::f32) return scale(s, x, x);
+    const Tensor tmp = Tensor::empty(x.shape(), TensorOptions{}.with_device(x.device()));
+    cast(x, tmp);
+    scale(s, tmp, tmp);
+    return cast(tmp, x);
+  }
+  switch (x.dtype()) {
+    case DType::f32: return ScaleInPlace(x.data<float>(), x.numel(), s);
+    case DType::bf16: return ScaleInPlace(x.data<bf16_t>(), x.numel(), s);
+    case DType::f16: return ScaleInPlace(x.data<f16_t>(), x.numel(), s);
+    case DType::i64: break;
+  }
 }
 
 void cast(const Tensor& src, const Tensor& dst) {

@@ -35,6 +35,9 @@ void scale(float s, const Tensor& a, const Tensor& out);
 void axpy(float alpha, const Tensor& x, const Tensor& y);
 void axpby(float alpha, const Tensor& x, float beta, const Tensor& y);
 void fill(const Tensor& x, float value);
+// x *= s in place for a floating tensor of any dtype (f32, bf16, f16) on any device: fp32 arithmetic, bf16 / f16
+// rounded back to nearest even (on a device through an fp32 temporary).
+void scale_(float s, const Tensor& x);
 
 // dst = src converted to dst's dtype, for any dtype pair (f32, bf16, f16, i64) and any pair of devices
 // (CPU<->CUDA, CUDA<->CUDA), same numel. bf16/f16 results round to nearest even; float -> i64 truncates

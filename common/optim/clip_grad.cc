@@ -19,15 +19,6 @@ void CheckNormType(double norm_type) {
                                                  << norm_type;
 }
 
-template <typename T>
-void ScaleLoop(T* __restrict g, std::int64_t n, float f) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    if constexpr (std::is_same_v<T, float>) g[i] *= f;
-    else if constexpr (std::is_same_v<T, bf16_t>) g[i] = f32_to_bf16(bf16_to_f32(g[i]) * f);
-    else g[i] = f32_to_f16(f16_to_f32(g[i]) * f);
-  }
-}
-
 double PartialOf(absl::Span<const Tensor> grads, double norm_type) {
   double acc = 0.0;
   for (const Tensor& g : grads) {
@@ -38,28 +29,9 @@ double PartialOf(absl::Span<const Tensor> grads, double norm_type) {
 }
 
 void ScaleEach(absl::Span<const Tensor> grads, double factor) {
-  const auto f = static_cast<float>(factor);
   for (const Tensor& g : grads) {
     SK_CHECK(g.dtype() != DType::i64) << "integer gradient " << g.describe();
-    if (g.device().is_cuda()) {  // fp32 arithmetic on the device, through an fp32 copy for bf16 / f16
-      if (g.dtype() == DType::f32) {
-        kernels::scale(f, g, g);
-        continue;
-      }
-      TensorOptions o;
-      o.device = g.device();
-      const Tensor tmp = Tensor::empty(g.shape(), o);
-      kernels::cast(g, tmp);
-      kernels::scale(f, tmp, tmp);
-      kernels::cast(tmp, g);
-      continue;
-    }
-    switch (g.dtype()) {
-      case DType::f32: ScaleLoop(g.data<float>(), g.numel(), f); break;
-      case DType::bf16: ScaleLoop(g.data<bf16_t>(), g.numel(), f); break;
-      case DType::f16: ScaleLoop(g.data<f16_t>(), g.numel(), f); break;
-      case DType::i64: SK_CHECK(false) << "integer gradient " << g.describe();
-    }
+    kernels::scale_(static_cast<float>(factor), g);
   }
 }
 

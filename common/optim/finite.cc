@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <bit>
 
+#include "common/kernels/elementwise.h"
+#include "common/kernels/reduce.h"
+
 namespace shardkit::optim {
 namespace {
 
@@ -37,6 +40,17 @@ std::int64_t find_in(const void* data, std::int64_t n) {
   return -1;
 }
 
+// On a device (Note [finite checks]): the largest magnitude, which a NaN or an inf anywhere makes non-finite (the
+// device reduction propagates NaN), tested on its bits.
+bool device_has_non_finite(const Tensor& t) {
+  const double m = kernels::max_abs(t);
+  return (std::bit_cast<std::uint64_t>(m) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+bool has_non_finite(const Tensor& t) {
+  return t.device().is_cuda() ? t.dtype() != DType::i64 && device_has_non_finite(t) : find_non_finite(t) >= 0;
+}
+
 }  // namespace
 
 std::int64_t find_non_finite(const Tensor& t) {
@@ -52,7 +66,7 @@ std::int64_t find_non_finite(const Tensor& t) {
 
 bool all_finite(absl::Span<const Tensor> tensors) {
   for (const Tensor& t : tensors) {
-    if (t.defined() && find_non_finite(t) >= 0) return false;
+    if (t.defined() && has_non_finite(t)) return false;
   }
   return true;
 }
@@ -60,14 +74,18 @@ bool all_finite(absl::Span<const Tensor> tensors) {
 bool found_non_finite_grads(absl::Span<const Tensor> params) {
   for (const Tensor& p : params) {
     const Tensor g = p.grad();
-    if (g.defined() && find_non_finite(g) >= 0) return true;
+    if (g.defined() && has_non_finite(g)) return true;
   }
   return false;
 }
 
 bool scale_and_find_non_finite(const Tensor& t, float factor) {
-  SK_CHECK(t.device().is_cpu()) << "scale_and_find_non_finite on " << t.describe();
   SK_CHECK(is_floating(t.dtype())) << "scale_and_find_non_finite on " << t.describe();
+  if (t.device().is_cuda()) {  // two passes on the device: the check, then the scale
+    const bool bad = device_has_non_finite(t);
+    kernels::scale_(factor, t);
+    return bad;
+  }
   const std::int64_t n = t.numel();
   if (t.dtype() == DType::f32) {
     float* p = t.data<float>();

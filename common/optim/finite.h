@@ -12,7 +12,9 @@
 //   on it with one collective over a flag (Note [agreed found_inf] in sddp/grad_scaler.h; shardkit-train's
 //   Note [non-finite loss]); optim does not depend on comm.
 //
-// CPU tensors only (SK_CHECK). Pure functions of the tensors' values, thread-compatible.
+// find_non_finite: CPU tensors only (SK_CHECK). The others take CUDA tensors too: two passes on the device (the
+// largest magnitude, whose bits tell inf / NaN, then the scale), and the answer comes back to the host (a
+// synchronisation). Pure functions of the tensors' values, thread-compatible.
 #pragma once
 
 #include <cstdint>

@@ -11,6 +11,7 @@
 #include "common/kernels/elementwise.h"
 #include "common/optim/adam.h"
 #include "common/optim/cuda/cuda_optim_kernels.h"
+#include "common/optim/finite.h"
 #include "common/optim/sgd.h"
 #include "common/tensor/device_memory.h"
 #include "common/tensor/random.h"
@@ -153,6 +154,37 @@ TEST(CudaOptimizerRefusals, GradOnAnotherDeviceIsABrokenInvariant) {
   p.set_grad(Tensor::full({4}, 1.0));  // on the CPU
   AdamW opt({p});
   EXPECT_THROW((void)opt.step(), InternalError);
+}
+
+// A gradient scaler's unscale and the finite checks on device tensors (finite.h): the same flag and the same
+// scaled values as on the CPU, in every float dtype, for finite tensors and for an inf or a NaN anywhere.
+TEST(CudaFiniteChecks, ScaleAndFindNonFiniteEqualsTheCpu) {
+  SK_REQUIRE_CUDA_DEVICE("finite checks on a device");
+  for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    for (const float poison : {0.5f, INFINITY, -INFINITY, NAN}) {
+      SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " poison " << poison);
+      Generator gen(5);
+      Tensor cpu = Tensor::uniform({3000}, gen, -1.0f, 1.0f);
+      cpu.data<float>()[2345] = poison;
+      cpu = ToDevice(cpu, Device::cpu(), dtype);
+      const Tensor gpu = ToDevice(cpu, kGpu);
+      EXPECT_EQ(all_finite({gpu}), all_finite({cpu}));
+      const bool cpu_bad = scale_and_find_non_finite(cpu, 0.25f);
+      EXPECT_EQ(scale_and_find_non_finite(gpu, 0.25f), cpu_bad);
+      EXPECT_EQ(cpu_bad, !std::isfinite(poison));
+      const std::vector<float> want = cpu.to(DType::f32).to_vector(), got = gpu.to(Device::cpu()).to(DType::f32).to_vector();
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        if (std::isnan(want[i])) {
+          EXPECT_TRUE(std::isnan(got[i])) << i;
+        } else {
+          EXPECT_EQ(got[i], want[i]) << i;
+        }
+      }
+      Tensor p = ToDevice(Tensor::zeros({3000}), kGpu);
+      p.set_grad(gpu);
+      EXPECT_EQ(found_non_finite_grads({p}), cpu_bad);
+    }
+  }
 }
 
 }  // namespace
