@@ -123,7 +123,7 @@ void Encode(const ShardedStateDict& sh, std::vector<std::int64_t>& meta, std::ve
     for (const auto& [key, t] : st.tensors) {
       meta.push_back(static_cast<std::int64_t>(key.size()));
       for (char c : key) meta.push_back(static_cast<unsigned char>(c));
-      const std::vector<float> v = t.to_vector();
+      const std::vector<float> v = t.device().is_cpu() ? t.to_vector() : t.to(Device::cpu()).to_vector();
       payload.insert(payload.end(), v.begin(), v.end());
     }
   }

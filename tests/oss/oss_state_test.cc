@@ -7,6 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "oss/oss.h"
+#include "tests/common/tensor/cuda_test_util.h"
 
 namespace shardkit::oss {
 namespace {
@@ -64,11 +65,17 @@ struct RunResult {
   std::optional<optim::OptimizerStateDict> state;  // consolidated on rank 0 at the end
 };
 
+// `device`: where the parameters live (their gradients are made on the CPU and moved there).
 RunResult RunSharded(int world, PartitionPolicy policy, const Values& init, int first_step, int last_step,
-              const optim::OptimizerStateDict* load) {
+                     const optim::OptimizerStateDict* load, Device device = Device::cpu()) {
   RunResult result;
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     std::vector<Tensor> params = MakeParams(init);
+    for (Tensor& p : params) {
+      if (device.is_cpu()) continue;
+      p = p.to(device, MemoryCategory::parameter);
+      p.set_requires_grad(true);
+    }
     auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr,
                            {.policy = policy});
     if (!oss.ok()) return oss.status();
@@ -76,7 +83,11 @@ RunResult RunSharded(int world, PartitionPolicy policy, const Values& init, int 
       if (absl::Status s = (*oss)->load_state_dict(*load); !s.ok()) return s;
     }
     for (int step = first_step; step < last_step; ++step) {
-      for (std::size_t i = 0; i < params.size(); ++i) params[i].set_grad(Grad(params[i], step, static_cast<int>(i)));
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        const Tensor& p = params[i];
+        p.set_grad(device.is_cpu() ? Grad(p, step, static_cast<int>(i))
+                                   : Grad(p.to(Device::cpu()), step, static_cast<int>(i)).to(device));
+      }
       if (absl::Status s = (*oss)->step(); !s.ok()) return s;
     }
     if (absl::Status s = (*oss)->consolidate_state_dict(0); !s.ok()) return s;
@@ -84,7 +95,7 @@ RunResult RunSharded(int world, PartitionPolicy policy, const Values& init, int 
     if (env.rank == 0) {
       if (!sd.ok()) return sd.status();
       result.state = *sd;
-      for (const Tensor& p : params) result.params.push_back(p.to_vector());
+      for (const Tensor& p : params) result.params.push_back(p.to(Device::cpu()).to_vector());
     } else {
       EXPECT_EQ(sd.status().code(), absl::StatusCode::kFailedPrecondition);
     }
@@ -114,6 +125,21 @@ TEST_P(OssResume, ConsolidateAtFourLoadAtTwoAndThreeContinue) {
   for (int world : {2, 3}) {
     const RunResult second = RunSharded(world, GetParam(), first.params, 10, 20, &*first.state);
     ExpectClose(second.params, want);
+  }
+}
+
+// The same on a CUDA device (simulated ranks on one GPU): the state travels to the host for consolidation and
+// back onto the device parameters at load; equal to the uninterrupted single-rank CPU run within the device
+// AdamW's rounding.
+TEST_P(OssResume, OnACudaDeviceConsolidateAtTwoLoadAtThreeContinue) {
+  SK_REQUIRE_CUDA_DEVICE("OSS state dicts on a device");
+  const Values want = Reference(10);
+  const RunResult first = RunSharded(2, GetParam(), InitialValues(), 0, 5, nullptr, Device::cuda(0));
+  ASSERT_TRUE(first.state.has_value());
+  const RunResult second = RunSharded(3, GetParam(), first.params, 5, 10, &*first.state, Device::cuda(0));
+  ASSERT_EQ(second.params.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    for (std::size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(second.params[i][k], want[i][k], 1e-5) << i << "[" << k << "]";
   }
 }
 
