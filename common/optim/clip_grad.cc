@@ -29,10 +29,7 @@ double PartialOf(absl::Span<const Tensor> grads, double norm_type) {
 }
 
 void ScaleEach(absl::Span<const Tensor> grads, double factor) {
-  for (const Tensor& g : grads) {
-    SK_CHECK(g.dtype() != DType::i64) << "integer gradient " << g.describe();
-    kernels::scale_(static_cast<float>(factor), g);
-  }
+  for (const Tensor& g : grads) kernels::scale_(static_cast<float>(factor), g);  // checks the dtype is floating
 }
 
 std::vector<Tensor> GradsOf(absl::Span<const Tensor> params) {
