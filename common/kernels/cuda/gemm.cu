@@ -48,12 +48,18 @@ struct CublasApi {
 
 CublasApi LoadCublas() {
   CublasApi api;
-  // The soname first (found through the loader's paths), then the library the build linked against.
-  void* lib = dlopen(SHARDKIT_CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) lib = dlopen(SHARDKIT_CUBLAS_PATH, RTLD_NOW | RTLD_LOCAL);
+  // The soname first (found through the loader's paths), then the library the build linked against, then the
+  // neighbouring majors: the entry points below have kept their signatures since CUDA 11, and a machine's
+  // cuBLAS (PyTorch's pip package, say) need not match the toolkit this was built with.
+  void* lib = nullptr;
+  for (const char* name : {SHARDKIT_CUBLAS_SONAME, SHARDKIT_CUBLAS_PATH, "libcublas.so.13", "libcublas.so.12"}) {
+    lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (lib != nullptr) break;
+  }
   if (lib == nullptr) {
     const char* why = dlerror();
-    api.error = std::string("cannot load cuBLAS (" SHARDKIT_CUBLAS_SONAME " or " SHARDKIT_CUBLAS_PATH "): ") +
+    api.error = std::string("cannot load cuBLAS (" SHARDKIT_CUBLAS_SONAME ", " SHARDKIT_CUBLAS_PATH
+                            ", libcublas.so.13 or libcublas.so.12): ") +
                 (why != nullptr ? why : "unknown dlopen error");
     return api;
   }
