@@ -1,12 +1,15 @@
 // model_bench_cuda: one GPT training step on a CUDA device (issue 14's model_bench on a GPU): forward (logits +
 // cross-entropy), backward, fused AdamW step, gradients dropped, the loss read back to the host (so each timed step
-// is complete). fp32 throughout: the ops compute in fp32 with cuBLAS's default (full fp32, no TF32) GEMM.
+// is complete). fp32 tensors throughout; the GEMMs run at the case's matmul precision (Note [matmul precision]):
+// highest = full fp32 cuBLAS, medium = operands rounded to bf16 on tensor cores with fp32 accumulation (the GEMMs
+// of PyTorch's bf16 autocast; the elementwise ops, LayerNorm, softmax and the activations stay fp32).
 //
 // Counters:
 //   tokens_per_s   B * T tokens per step (median step time)
 //   step_tflops    model flops per step (model_bench.cc's count: 6 N + the tied projection + attention) / time
-//   gemm_tflops    a 4096^3 fp32 cuBLAS GEMM measured in the same run (the limit)
-//   frac_of_gemm   step_tflops / gemm_tflops (MFU against what this GPU's fp32 GEMM reaches)
+//   gemm_tflops    a 4096^3 fp32 cuBLAS GEMM at the same precision measured in the same run (the limit)
+//   frac_of_gemm   step_tflops / gemm_tflops (MFU against what this GPU's GEMM reaches at that precision)
+//   forward_ms, backward_ms, optimizer_ms   one extra step, the device synchronised after each phase
 // bench/gpt2_vs_torch.py runs this binary and PyTorch eager on the same model, batch and dtype and prints the ratio.
 // Without a usable CUDA device every case is skipped with the reason.
 //
@@ -36,8 +39,8 @@ const Device kGpu = Device::cuda(0);
 // The first element, copied to the host: synchronous, so every kernel queued before it has finished.
 float ReadFirst(const Tensor& t) { return t.view(0, {1}).to(Device::cpu()).data<float>()[0]; }
 
-// fp32 GEMM TFLOP/s of cuBLAS on this device: best of 5 products of 4096^3.
-double GemmTflops() {
+// fp32 GEMM TFLOP/s of cuBLAS on this device at `precision`: best of 5 products of 4096^3.
+double GemmTflops(MatmulPrecision precision) {
   constexpr std::int64_t n = 4096;
   TensorOptions o;
   o.device = kGpu;
@@ -46,7 +49,7 @@ double GemmTflops() {
   for (int i = 0; i < 6; ++i) {
     const auto t0 = Clock::now();
     kernels::cuda::gemm(kGpu, false, false, n, n, n, 1.f, a.data<float>(), n, b.data<float>(), n, 0.f,
-                        c.data<float>(), n);
+                        c.data<float>(), n, precision);
     ReadFirst(c);
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (i > 0) best = std::max(best, 2.0 * n * n * n / s);
@@ -59,13 +62,15 @@ std::int64_t Batch() {
   return b != nullptr ? std::atoll(b) : 4;
 }
 
-void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name, std::int64_t seq) {
+void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name, std::int64_t seq,
+                         MatmulPrecision precision) {
   if (detail::cuda_device_count() == 0) {
     state.SkipWithError("no usable CUDA device (build without CUDA, no GPU, or CUDA driver too old)");
     return;
   }
   const std::int64_t batch = Batch();
   RankContext ctx;
+  ctx.matmul_precision = precision;
   RankContextScope scope(ctx);
   const GPTConfig config = *GPTConfig::named(config_name);
   GPT gpt(config, 1);
@@ -97,6 +102,25 @@ void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name
       return;
     }
   }
+  // Where a step's time goes: one more step, synchronised after each phase.
+  const auto t0 = Clock::now();
+  (*opt)->zero_grad();
+  Tensor loss = gpt.loss(idx, targets);
+  ReadFirst(loss);
+  const auto t1 = Clock::now();
+  autograd::backward(loss);
+  ReadFirst(gpt.parameters().front());
+  const auto t2 = Clock::now();
+  if (absl::Status s = (*opt)->step(); !s.ok()) {
+    state.SkipWithError(std::string(s.message()).c_str());
+    return;
+  }
+  ReadFirst(gpt.parameters().front());
+  const auto t3 = Clock::now();
+  auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  state.counters["forward_ms"] = ms(t0, t1);
+  state.counters["backward_ms"] = ms(t1, t2);
+  state.counters["optimizer_ms"] = ms(t2, t3);
   const std::optional<std::vector<double>> step_s = bench::TimedSteps(state, step);
   if (!step_s) return;
   const double median = bench::Median(*step_s);
@@ -106,16 +130,21 @@ void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name
   const double flops_per_token = 6 * non_embedding + 6 * static_cast<double>(config.vocab_size) * c +
                                  12 * static_cast<double>(config.num_layers) * static_cast<double>(seq) * c;
   const double tflops = flops_per_token * tokens / median * 1e-12;
-  const double limit = GemmTflops();
+  const double limit = GemmTflops(precision);
   state.counters["tokens_per_s"] = tokens / median;
   state.counters["step_tflops"] = tflops;
   state.counters["gemm_tflops"] = limit;
   state.counters["frac_of_gemm"] = tflops / limit;
   state.counters["params"] = static_cast<double>(gpt.num_parameters());
-  state.SetLabel(config_name + " B=" + std::to_string(batch) + " T=" + std::to_string(seq) + " fp32");
+  state.SetLabel(config_name + " B=" + std::to_string(batch) + " T=" + std::to_string(seq) + " fp32, matmul " +
+                 std::string(matmul_precision_name(precision)));
 }
 
-BENCHMARK_CAPTURE(BM_GptTrainStepCuda, gpt2-small, std::string("gpt2-small"), 1024)
+BENCHMARK_CAPTURE(BM_GptTrainStepCuda, gpt2-small/highest, std::string("gpt2-small"), 1024, MatmulPrecision::highest)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(10);
+BENCHMARK_CAPTURE(BM_GptTrainStepCuda, gpt2-small/medium, std::string("gpt2-small"), 1024, MatmulPrecision::medium)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(10);

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "common/kernels/cuda/cuda_kernels.h"
+#include "common/tensor/rank_context.h"
 
 namespace shardkit::kernels {
 
@@ -123,7 +124,8 @@ void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool trans_a, b
   if (out.device().is_cpu()) {
     gemm(trans_a, trans_b, m, n, k, 1.f, pa, lda, pb, ldb, beta, out.data<float>(), ldc);
   } else {
-    cuda::gemm(out.device(), trans_a, trans_b, m, n, k, 1.f, pa, lda, pb, ldb, beta, out.data<float>(), ldc);
+    cuda::gemm(out.device(), trans_a, trans_b, m, n, k, 1.f, pa, lda, pb, ldb, beta, out.data<float>(), ldc,
+               current_rank_context().matmul_precision);
   }
 }
 

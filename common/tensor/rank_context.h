@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "common/tensor/matmul_precision.h"
 #include "common/tensor/memory_tracker.h"
 #include "common/tensor/random.h"
 
@@ -22,6 +23,8 @@ struct RankContext {
   int world_size = 1;
   std::shared_ptr<MemoryTracker> memory = std::make_shared<MemoryTracker>();
   Generator generator;
+  // CUDA fp32 GEMMs may round their operands to TF32 / bf16 on tensor cores (Note [matmul precision]).
+  MatmulPrecision matmul_precision = MatmulPrecision::highest;
 };
 
 // Which random stream each rank of a world draws from (dropout, random init, sampling): per_rank gives rank r

@@ -29,7 +29,7 @@ for t in "${targets[@]}"; do
     grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux-x86-64)\.so|/lib(cuda|nccl|cublas|cublasLt)\.so' |
     while read -r lib; do cp -Ln "$lib" gpu-pack/lib/ 2>/dev/null || true; done
 done
-cp tools/gpu/run.sh bench/gpt2_vs_torch.py gpu-pack/
+cp tools/gpu/run.sh tools/gpu/kernel_times.py bench/gpt2_vs_torch.py gpu-pack/
 # The libraries go compressed (OpenBLAS alone is 36 MiB, a fifth of that gzipped); run.sh unpacks them.
 tar -C gpu-pack -czf gpu-pack/lib.tar.gz lib
 rm -rf gpu-pack/lib

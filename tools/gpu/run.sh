@@ -41,12 +41,25 @@ if (( $(limit 120) > 0 )); then
 else
   echo "optim_bench_cuda not run: out of time" >> "$out/summary.txt"
 fi
-# GPT-2 small step against PyTorch eager (fp32 both; then PyTorch in bf16, the issue's goal line).
-for dtype in fp32 bf16; do
+# GPT-2 small step against PyTorch eager (fp32 both; shardkit at matmul precision medium against PyTorch under bf16
+# autocast, the issue's goal line, and against PyTorch fp32 at matmul precision medium, the same GEMM semantics).
+for dtype in fp32 bf16 fp32-medium; do
   (( $(limit 150) > 0 )) || { echo "gpt2_vs_torch $dtype not run: out of time" >> "$out/summary.txt"; continue; }
   timeout "$(limit 150)" python3 "$here/gpt2_vs_torch.py" --shardkit "$here/bin/model_bench_cuda" --dtype "$dtype" \
     > "$out/gpt2_vs_torch_$dtype.txt" 2>&1
   echo "gpt2_vs_torch $dtype exit $?: $(tail -1 "$out/gpt2_vs_torch_$dtype.txt")" >> "$out/summary.txt"
 done
+# Where the medium-precision step's device time goes, by kernel: Nsight Compute times 1500 consecutive kernels
+# (about two steps, after the warm-up), one pass each, with the clocks left alone; summed by name.
+if command -v ncu > /dev/null && (( $(limit 150) > 60 )); then
+  timeout "$(limit 150)" ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 3000 \
+    --launch-count 1500 "$here/bin/model_bench_cuda" --benchmark_filter='gpt2-small/medium$' > "$out/ncu.csv" 2> "$out/ncu.err"
+  echo "ncu exit $?" >> "$out/summary.txt"
+  python3 "$here/kernel_times.py" "$out/ncu.csv" > "$out/kernel_times.txt" 2>&1
+  head -40 "$out/kernel_times.txt"
+fi
 cat "$out/summary.txt"
 grep -hE '^\[  FAILED  \]|^BM_' "$out"/*.txt | head -60
+# The device tool brings back at most 8 files: everything but the summary travels as one archive.
+tar -C "$out" -czf /tmp/results.tar.gz --exclude=summary.txt . && mv /tmp/results.tar.gz "$out/results.tar.gz"
+find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name results.tar.gz -delete

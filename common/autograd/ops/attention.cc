@@ -6,6 +6,7 @@
 #include "common/autograd/ops/gemm_timing.h"
 #include "common/autograd/ops/op_utils.h"
 #include "common/kernels/cuda/cuda_kernels.h"
+#include "common/tensor/rank_context.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -36,20 +37,22 @@ Tensor AttentionOnDevice(const Tensor& qkv, std::int64_t b_n, std::int64_t t, st
   const float* in = qkv.data<float>();
   float* y = out.data<float>();
   float* a = att.data<float>();
+  // The backward multiplies at the forward's precision (Note [matmul precision]).
+  const MatmulPrecision precision = current_rank_context().matmul_precision;
   for (std::int64_t b = 0; b < b_n; ++b) {  // S = scale Q K^T
     const float* q = in + b * t * 3 * c;
     kc::gemm_strided_batched(device, false, true, t, t, hs, scale, q, 3 * c, hs, q + c, 3 * c, hs, 0.f,
-                             a + b * num_heads * t * t, t, t * t, num_heads);
+                             a + b * num_heads * t * t, t, t * t, num_heads, precision);
   }
   kc::causal_softmax(device, a, b_n * num_heads, t);
   for (std::int64_t b = 0; b < b_n; ++b) {  // Y = P V
     const float* v = in + b * t * 3 * c + 2 * c;
     kc::gemm_strided_batched(device, false, false, t, hs, t, 1.f, a + b * num_heads * t * t, t, t * t, v, 3 * c, hs,
-                             0.f, y + b * t * c, c, hs, num_heads);
+                             0.f, y + b * t * c, c, hs, num_heads, precision);
   }
   if (should_record({&qkv})) {
     detail::record("CausalAttentionBackward", {&qkv}, {&out},
-                   [qkv, att, b_n, t, c, num_heads, hs, scale](TensorList&& g) -> TensorList {
+                   [qkv, att, b_n, t, c, num_heads, hs, scale, precision](TensorList&& g) -> TensorList {
                      const Device device = qkv.device();
                      Tensor gqkv = detail::new_activation(qkv.shape(), DType::f32, device);
                      Tensor ds_t = detail::new_activation({num_heads, t, t}, DType::f32, device);
@@ -69,14 +72,14 @@ Tensor AttentionOnDevice(const Tensor& qkv, std::int64_t b_n, std::int64_t t, st
                        const float* dy = gy + b * t * c;
                        // dV = P^T dY; dP = dY V^T; dS = P * (dP - rowsum(P * dP)); dQ = scale dS K; dK = scale dS^T Q
                        kc::gemm_strided_batched(device, true, false, t, hs, t, 1.f, p, t, t * t, dy, c, hs, 0.f, dv,
-                                                3 * c, hs, num_heads);
+                                                3 * c, hs, num_heads, precision);
                        kc::gemm_strided_batched(device, false, true, t, t, hs, 1.f, dy, c, hs, v, 3 * c, hs, 0.f, ds,
-                                                t, t * t, num_heads);
+                                                t, t * t, num_heads, precision);
                        kc::causal_softmax_backward(device, p, ds, num_heads, t);
                        kc::gemm_strided_batched(device, false, false, t, hs, t, scale, ds, t, t * t, k, 3 * c, hs, 0.f,
-                                                dq, 3 * c, hs, num_heads);
+                                                dq, 3 * c, hs, num_heads, precision);
                        kc::gemm_strided_batched(device, true, false, t, hs, t, scale, ds, t, t * t, q, 3 * c, hs, 0.f,
-                                                dk, 3 * c, hs, num_heads);
+                                                dk, 3 * c, hs, num_heads, precision);
                      }
                      return {gqkv};
                    });

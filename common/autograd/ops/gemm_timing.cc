@@ -4,6 +4,7 @@
 
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/gemm.h"
+#include "common/tensor/rank_context.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -28,7 +29,8 @@ void gemm_on(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int
              float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
              std::int64_t ldc) {
   if (device.is_cpu()) return timed_gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  kernels::cuda::gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  kernels::cuda::gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                      current_rank_context().matmul_precision);
   tl_stats.calls += 1;
   tl_stats.flops += 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
 }

@@ -3,6 +3,7 @@
 #include "common/autograd/ops/gemm_timing.h"
 #include "common/autograd/ops/op_utils.h"
 #include "common/kernels/cuda/cuda_kernels.h"
+#include "common/tensor/rank_context.h"
 
 namespace shardkit::autograd {
 namespace {
@@ -30,7 +31,7 @@ void Gemms(Device device, std::int64_t batches, bool ta, bool tb, MatDims d, con
   const std::int64_t ldb = tb ? d.k : d.n;
   if (device.is_cuda() && batches > 1) {  // one launch for every batch
     kernels::cuda::gemm_strided_batched(device, ta, tb, d.m, d.n, d.k, 1.f, a, lda, d.m * d.k, b, ldb, d.k * d.n,
-                                        beta, c, d.n, d.m * d.n, batches);
+                                        beta, c, d.n, d.m * d.n, batches, current_rank_context().matmul_precision);
     return;
   }
   for (std::int64_t i = 0; i < batches; ++i) {

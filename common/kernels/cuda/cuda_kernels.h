@@ -19,13 +19,16 @@
 
 #include "common/tensor/device.h"
 #include "common/tensor/dtype.h"
+#include "common/tensor/matmul_precision.h"
 
 namespace shardkit::kernels::cuda {
 
-// Row-major C = alpha * op(A) * op(B) + beta * C through cublasSgemm (see gemm.h for the contract).
+// Row-major C = alpha * op(A) * op(B) + beta * C (see gemm.h for the contract): cublasSgemm at
+// MatmulPrecision::highest, else cublasGemmEx with the operands rounded to TF32 / bf16 on tensor cores and fp32
+// accumulation (Note [matmul precision]).
 void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
-          std::int64_t ldc);
+          std::int64_t ldc, MatmulPrecision precision);
 
 // Loads cuBLAS if not yet loaded (Note [cuBLAS loaded on first use] in gemm.cu; needs no GPU) and returns
 // why it cannot be used, or "" when it can (without the CUDA component: detail::cuda_unavailable_reason()).
@@ -74,11 +77,11 @@ void layer_norm_backward(Device device, const float* x, const float* gy, const f
 void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t);
 void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t);
 // Row-major C_i = alpha op(A_i) op(B_i) + beta C_i for i < batches, X_i = x + i * stride_x (elements), through
-// cublasSgemmStridedBatched.
+// cublasSgemmStridedBatched (cublasGemmStridedBatchedEx below MatmulPrecision::highest, as gemm).
 void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
                           std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
                           const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
-                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches);
+                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches, MatmulPrecision precision);
 // Mean cross-entropy of logits [rows, v] against i64 targets (rows equal to ignore_index left out): writes each
 // kept row's log-sum-exp to lse (0 for an ignored row), the loss to loss[0] and the number of kept rows to
 // count[0]. Synchronous; returns the first row whose target is outside [0, v), or -1.

@@ -25,8 +25,8 @@ void register_cuda_kernels(const CudaKernelOps* ops) { g_cuda_kernels.set(ops, "
 
 void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
-          std::int64_t ldc) {
-  Ops("cuda::gemm").gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+          std::int64_t ldc, MatmulPrecision precision) {
+  Ops("cuda::gemm").gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, precision);
 }
 std::string cublas_load_error() {
   const CudaKernelOps* ops = g_cuda_kernels.get();
@@ -97,10 +97,10 @@ void causal_softmax_backward(Device device, const float* p, float* dp, std::int6
 void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
                           std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
                           const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
-                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
+                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches, MatmulPrecision precision) {
   Ops("cuda::gemm_strided_batched")
       .gemm_strided_batched(device, trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
-                            ldc, stride_c, batches);
+                            ldc, stride_c, batches, precision);
 }
 std::int64_t cross_entropy(Device device, const float* logits, const std::int64_t* targets, float* lse, float* loss,
                            float* count, std::int64_t rows, std::int64_t v, std::int64_t ignore_index) {

@@ -4,7 +4,10 @@
 // column-major matrix of its transpose with the same ld. Row-major C = op(A) op(B) is therefore
 // column-major C^T = op(B)^T op(A)^T: call cublasSgemm with the operands swapped (B first), the same
 // transpose flags, and the dimensions (n, m, k). Handles use cuBLAS's default math mode: full fp32
-// (no TF32 tensor-core rounding), so results agree with the CPU GEMM to fp32 rounding.
+// (no TF32 tensor-core rounding), so results agree with the CPU GEMM to fp32 rounding. Below
+// MatmulPrecision::highest the same products go through cublasGemmEx / cublasGemmStridedBatchedEx with fp32
+// operands and results and a FAST_TF32 / FAST_16BF compute type: tensor cores on rounded operands, fp32
+// accumulation (Note [matmul precision] in common/tensor/matmul_precision.h).
 //
 // Note [cuBLAS loaded on first use]: linking libcublas (and the 540 MB libcublasLt it pulls in) costs
 // every process that links the CUDA kernels (shardkit::cuda) 0.1-0.15 s at start-up (their static
@@ -44,6 +47,14 @@ struct CublasApi {
   decltype(&cublasSetStream_v2) set_stream = nullptr;
   decltype(&cublasSgemm_v2) sgemm = nullptr;
   decltype(&cublasSgemmStridedBatched) sgemm_strided_batched = nullptr;
+  // Spelled out: C++ sees a second overload of each (a wrapper taking a cudaDataType compute type).
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                            const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                            cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
+  cublasStatus_t (*gemm_strided_batched_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                            const void*, const void*, cudaDataType, int, long long, const void*,
+                                            cudaDataType, int, long long, const void*, void*, cudaDataType, int,
+                                            long long, int, cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
 };
 
 CublasApi LoadCublas() {
@@ -73,6 +84,8 @@ CublasApi LoadCublas() {
   find(api.set_stream, "cublasSetStream_v2");
   find(api.sgemm, "cublasSgemm_v2");
   find(api.sgemm_strided_batched, "cublasSgemmStridedBatched");
+  find(api.gemm_ex, "cublasGemmEx");
+  find(api.gemm_strided_batched_ex, "cublasGemmStridedBatchedEx");
   return api;
 }
 
@@ -122,13 +135,18 @@ __global__ void ScaleMatrixKernel(float* c, std::int64_t m, std::int64_t n, std:
   }
 }
 
+// The compute type of an fp32 GEMM below MatmulPrecision::highest.
+cublasComputeType_t ReducedComputeType(MatmulPrecision p) {
+  return p == MatmulPrecision::medium ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_TF32;
+}
+
 }  // namespace
 
 namespace cuda_impl {
 
 void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
-          std::int64_t ldc) {
+          std::int64_t ldc, MatmulPrecision precision) {
   SK_CHECK(m >= 0 && n >= 0 && k >= 0) << "cuda::gemm: negative size m=" << m << " n=" << n << " k=" << k;
   constexpr std::int64_t kMax = std::numeric_limits<int>::max();
   SK_CHECK(m <= kMax && n <= kMax && k <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax)
@@ -145,17 +163,23 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
   cublasStatus_t s = api.set_stream(h, cudaStreamPerThread);
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSetStream: " << CublasStatusName(s);
   // See Note [row-major through column-major cuBLAS].
-  s = api.sgemm(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
-                  static_cast<int>(m), static_cast<int>(k), &alpha, b, static_cast<int>(ldb), a, static_cast<int>(lda),
-                  &beta, c, static_cast<int>(ldc));
-  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSgemm(m=" << m << ", n=" << n << ", k=" << k
-                                       << "): " << CublasStatusName(s);
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (precision == MatmulPrecision::highest) {
+    s = api.sgemm(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
+                  static_cast<int>(ldb), a, static_cast<int>(lda), &beta, c, static_cast<int>(ldc));
+  } else {
+    s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
+                    CUDA_R_32F, static_cast<int>(ldb), a, CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F,
+                    static_cast<int>(ldc), ReducedComputeType(precision), CUBLAS_GEMM_DEFAULT);
+  }
+  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS GEMM (m=" << m << ", n=" << n << ", k=" << k << ", precision "
+                                       << matmul_precision_name(precision) << "): " << CublasStatusName(s);
 }
 
 void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
                           std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
                           const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
-                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
+                          std::int64_t ldc, std::int64_t stride_c, std::int64_t batches, MatmulPrecision precision) {
   SK_CHECK(m >= 0 && n >= 0 && k >= 0 && batches >= 0)
       << "cuda::gemm_strided_batched: negative size m=" << m << " n=" << n << " k=" << k << " batches=" << batches;
   constexpr std::int64_t kMax = std::numeric_limits<int>::max();
@@ -164,7 +188,7 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
   if (m == 0 || n == 0 || batches == 0) return;
   if (k == 0 || alpha == 0.f) {
     for (std::int64_t i = 0; i < batches; ++i) {
-      gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c + i * stride_c, ldc);
+      gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c + i * stride_c, ldc, precision);
     }
     return;
   }
@@ -174,12 +198,21 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
   cublasStatus_t s = api.set_stream(h, cudaStreamPerThread);
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSetStream: " << CublasStatusName(s);
   // Operands swapped as in Note [row-major through column-major cuBLAS].
-  s = api.sgemm_strided_batched(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
-                                static_cast<int>(ldb), stride_b, a, static_cast<int>(lda), stride_a, &beta, c,
-                                static_cast<int>(ldc), stride_c, static_cast<int>(batches));
-  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSgemmStridedBatched(m=" << m << ", n=" << n << ", k=" << k
-                                       << ", batches=" << batches << "): " << CublasStatusName(s);
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (precision == MatmulPrecision::highest) {
+    s = api.sgemm_strided_batched(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+                                  &alpha, b, static_cast<int>(ldb), stride_b, a, static_cast<int>(lda), stride_a,
+                                  &beta, c, static_cast<int>(ldc), stride_c, static_cast<int>(batches));
+  } else {
+    s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+                                    &alpha, b, CUDA_R_32F, static_cast<int>(ldb), stride_b, a, CUDA_R_32F,
+                                    static_cast<int>(lda), stride_a, &beta, c, CUDA_R_32F, static_cast<int>(ldc),
+                                    stride_c, static_cast<int>(batches), ReducedComputeType(precision),
+                                    CUBLAS_GEMM_DEFAULT);
+  }
+  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS strided batched GEMM (m=" << m << ", n=" << n << ", k=" << k
+                                       << ", batches=" << batches << ", precision "
+                                       << matmul_precision_name(precision) << "): " << CublasStatusName(s);
 }
 
 std::string cublas_load_error() { return Cublas().error; }

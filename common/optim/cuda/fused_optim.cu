@@ -2,8 +2,15 @@
 // cuda_optim_kernels.h). Each launch covers up to kMaxTensorsPerLaunch tensors, a thread block per chunk of
 // kChunkNumel elements (Note [multi-tensor launches] in common/optim/multi_tensor_plan.h). Per element the
 // arithmetic is fused::adam_step's / fused::sgd_step's, in the same order, in fp32 (one read of w, g and the state
-// and one write of w, the state and a bf16/f16 parameter); nvcc may contract a multiply and an add into an FMA
-// where gcc does not, so results agree with the CPU within fp32 rounding, not bit for bit.
+// and one write of w, the state and a bf16/f16 parameter), so results equal the CPU's bit for bit (Note [no
+// contraction]).
+//
+// Note [no contraction]: nvcc contracts a * b + c into one FMA by default; gcc under -std=c++20 does not. The
+// first H200 run (stop 32) showed why that matters here: where g + weight_decay * w nearly cancels, the FMA's
+// single rounding changes the gradient's low bits, and Adam's m / (sqrt(v) + eps) turns that into a visible
+// difference in the step. Every product and sum below is therefore written with the round-to-nearest intrinsics
+// (__fmul_rn / __fadd_rn / __fsub_rn), which nvcc never contracts; sqrtf and '/' are IEEE-rounded unless
+// --use_fast_math, which this build does not use. The kernels are memory-bound: the FMAs saved nothing.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -52,6 +59,10 @@ static_assert(sizeof(LaunchTable<SgdTensor, fused::SgdCoeffs>) <= 4000, "kernel 
     }                                            \
   }
 
+// Rounded once each and never contracted into an FMA (Note [no contraction]).
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+
 // P: the bf16/f16 parameter that receives round(w), or float when the parameter is w itself (nothing written).
 template <typename P>
 __device__ __forceinline__ void StoreParam(void* param_out, std::int64_t i, float w) {
@@ -69,12 +80,12 @@ __global__ void AdamKernel(const LaunchTable<AdamTensor, fused::AdamCoeffs> tabl
   const G* g = static_cast<const G*>(x.grad);
   for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     float wi = x.w[i];
-    const float gi = c.sign * load_f32(g, i) + c.l2 * wi;
-    wi *= c.decay;
-    const float mi = c.beta1 * x.m[i] + c.one_minus_beta1 * gi;
-    const float vi = c.beta2 * x.v[i] + c.one_minus_beta2 * (gi * gi);
-    const float denom = sqrtf(vi) * x.inv_sqrt_bc2 + c.eps;
-    wi -= x.step_size * (mi / denom);
+    const float gi = Add(Mul(c.sign, load_f32(g, i)), Mul(c.l2, wi));
+    wi = Mul(wi, c.decay);
+    const float mi = Add(Mul(c.beta1, x.m[i]), Mul(c.one_minus_beta1, gi));
+    const float vi = Add(Mul(c.beta2, x.v[i]), Mul(c.one_minus_beta2, Mul(gi, gi)));
+    const float denom = Add(Mul(sqrtf(vi), x.inv_sqrt_bc2), c.eps);
+    wi = __fsub_rn(wi, Mul(x.step_size, mi / denom));
     x.m[i] = mi;
     x.v[i] = vi;
     x.w[i] = wi;
@@ -93,13 +104,13 @@ __global__ void SgdKernel(const LaunchTable<SgdTensor, fused::SgdCoeffs> table) 
   const G* g = static_cast<const G*>(x.grad);
   for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     float wi = x.w[i];
-    float gi = c.sign * load_f32(g, i) + c.weight_decay * wi;
+    float gi = Add(Mul(c.sign, load_f32(g, i)), Mul(c.weight_decay, wi));
     if (c.has_momentum) {
-      const float bi = x.keep * x.buf[i] + x.take * gi;
+      const float bi = Add(Mul(x.keep, x.buf[i]), Mul(x.take, gi));
       x.buf[i] = bi;
-      gi = c.nesterov ? gi + c.momentum * bi : bi;
+      gi = c.nesterov ? Add(gi, Mul(c.momentum, bi)) : bi;
     }
-    wi -= c.lr * gi;
+    wi = __fsub_rn(wi, Mul(c.lr, gi));
     x.w[i] = wi;
     StoreParam<P>(x.param_out, i, wi);
   }

@@ -285,8 +285,9 @@ struct TrainedGpt {
   std::vector<float> params;  // every parameter, concatenated
 };
 
-TrainedGpt TrainGpt(Device device, int steps) {
+TrainedGpt TrainGpt(Device device, int steps, MatmulPrecision precision = MatmulPrecision::highest) {
   RankContext ctx;
+  ctx.matmul_precision = precision;
   RankContextScope scope(ctx);
   nn::GPT model(gpt_tiny::TinyConfig(), 1);
   model.to(device);
@@ -317,6 +318,22 @@ TEST(CudaGptTrainingTest, TwentyAdamWStepsMatchTheCpu) {
   for (std::size_t i = 0; i < cpu.losses.size(); ++i) EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-3) << "step " << i;
   EXPECT_LT(gpu.losses.back(), gpu.losses.front() - 0.2);  // the CPU: 4.16 -> 3.87 on this one batch
   ExpectNear(gpu.params, cpu.params, 1e-3, "parameter");
+}
+
+// Matmul precision "medium" (Note [matmul precision]): every GEMM of the forward and backward, attention's included,
+// on bf16-rounded operands. Training follows the fp32 CPU run to bf16 accuracy, and the setting is not ignored:
+// the parameters differ from the GPU's own full-fp32 run.
+TEST(CudaGptTrainingTest, MediumMatmulPrecisionTracksTheCpu) {
+  SK_REQUIRE_CUDA_DEVICE("GPT training on a GPU");
+  const TrainedGpt cpu = TrainGpt(Device::cpu(), 20);
+  const TrainedGpt full = TrainGpt(kGpu, 20);
+  const TrainedGpt medium = TrainGpt(kGpu, 20, MatmulPrecision::medium);
+  ASSERT_EQ(medium.losses.size(), cpu.losses.size());
+  for (std::size_t i = 0; i < cpu.losses.size(); ++i) {
+    EXPECT_NEAR(medium.losses[i], cpu.losses[i], 2e-2) << "step " << i;
+  }
+  EXPECT_LT(medium.losses.back(), medium.losses.front() - 0.2);
+  EXPECT_NE(medium.params, full.params) << "matmul precision medium changed nothing";
 }
 
 }  // namespace

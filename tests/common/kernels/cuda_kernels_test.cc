@@ -1,5 +1,6 @@
 // The CUDA kernels against the CPU kernels (themselves checked against double references in the other
 // test files). Every test skips, with the reason, when no CUDA device is usable at run time.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -8,6 +9,7 @@
 #include "common/kernels/gemm.h"
 #include "common/kernels/reduce.h"
 #include "common/tensor/device_memory.h"
+#include "common/tensor/rank_context.h"
 #include "common/tensor/tensor.h"
 #include "gtest/gtest.h"
 #include "tests/common/tensor/cuda_test_util.h"
@@ -151,6 +153,17 @@ TEST(CudaKernelsTest, ReductionsMatchCpu) {
   EXPECT_TRUE(std::isnan(max_abs(ToGpu(Tensor::from_vector(v, {1000}, TensorOptions{}.with_dtype(DType::f16))))));
 }
 
+// The elements of `converted` whose source value is finite. A float -> i64 cast of an infinity (f16 overflows at
+// 65520) is undefined (elementwise.h): x86 gives INT64_MIN, the GPU saturates.
+std::vector<float> InRange(const Tensor& converted, const Tensor& src) {
+  const std::vector<float> c = converted.to_vector(), s = src.to_vector();
+  std::vector<float> kept;
+  for (std::size_t i = 0; i < c.size(); ++i) {
+    if (converted.dtype() != DType::i64 || std::isfinite(s[i])) kept.push_back(c[i]);
+  }
+  return kept;
+}
+
 TEST(CudaKernelsTest, CastsMatchCpuForEveryPair) {
   SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
   const std::int64_t n = (std::int64_t{1} << 20) + 3;
@@ -164,11 +177,11 @@ TEST(CudaKernelsTest, CastsMatchCpuForEveryPair) {
       const Tensor g_src = ToGpu(src);
       Tensor g_dst = Tensor::empty({n}, OnGpu(to));
       cast(g_src, g_dst);                               // on the device
-      EXPECT_EQ(ToCpu(g_dst, to).to_vector(), want.to_vector());
-      EXPECT_EQ(ToCpu(g_src, to).to_vector(), want.to_vector());  // device -> host, converting
+      EXPECT_EQ(InRange(ToCpu(g_dst, to), src), InRange(want, src));
+      EXPECT_EQ(InRange(ToCpu(g_src, to), src), InRange(want, src));  // device -> host, converting
       Tensor g_direct = Tensor::empty({n}, OnGpu(to));
       cast(src, g_direct);                              // host -> device, converting
-      EXPECT_EQ(ToCpu(g_direct, to).to_vector(), want.to_vector());
+      EXPECT_EQ(InRange(ToCpu(g_direct, to), src), InRange(want, src));
     }
   }
 }
@@ -196,6 +209,58 @@ TEST(CudaKernelsTest, MatmulMatchesCpuForEveryTranspose) {
   matmul(Tensor::empty({2, 0}, OnGpu(DType::f32)), Tensor::empty({0, 3}, OnGpu(DType::f32)),
          out, false, false, 0.25f);
   EXPECT_EQ(ToCpu(out, DType::f32).to_vector(), std::vector<float>(6, 1.f));
+}
+
+// Below MatmulPrecision::highest (Note [matmul precision]) the device multiplies operands rounded to bf16 / TF32
+// and accumulates in fp32: the result is the CPU's fp32 GEMM of the rounded operands (products of rounded values
+// are exact in fp32; only the order of the sums differs), and it is not the fp32 GEMM of the unrounded ones. The
+// batched GEMM too. The CPU GEMM ignores the setting.
+TEST(CudaKernelsTest, MatmulAtReducedPrecisionMultipliesRoundedOperands) {
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
+  const std::int64_t m = 96, n = 80, k = 256;
+  Generator gen(11);
+  const Tensor a = Tensor::uniform({m, k}, gen, -1, 1), b = Tensor::uniform({k, n}, gen, -1, 1);
+  Tensor exact = Tensor::zeros({m, n});
+  matmul(a, b, exact);
+  auto twice = [](const Tensor& t) {
+    std::vector<float> v = t.to_vector();
+    v.insert(v.end(), v.begin(), v.end());
+    return ToGpu(Tensor::from_vector(v, {2 * t.size(0), t.size(1)}));
+  };
+  const Tensor ga2 = twice(a), gb2 = twice(b);
+  for (MatmulPrecision p : {MatmulPrecision::high, MatmulPrecision::medium}) {
+    SCOPED_TRACE(matmul_precision_name(p));
+    // TF32 keeps 10 mantissa bits, as f16 does (the values here are far from f16's range limits).
+    const DType rounding = p == MatmulPrecision::medium ? DType::bf16 : DType::f16;
+    Tensor want = Tensor::zeros({m, n});
+    matmul(a.to(rounding).to(DType::f32), b.to(rounding).to(DType::f32), want);
+    RankContext ctx;
+    ctx.matmul_precision = p;
+    RankContextScope scope(ctx);
+    Tensor cpu = Tensor::zeros({m, n});
+    matmul(a, b, cpu);
+    EXPECT_EQ(cpu.to_vector(), exact.to_vector()) << "the CPU GEMM is always fp32";
+    const Tensor gc = Tensor::empty({m, n}, OnGpu(DType::f32));
+    matmul(ToGpu(a), ToGpu(b), gc);
+    // Batched: the same product twice through gemm_strided_batched.
+    const Tensor gc2 = Tensor::empty({2 * m, n}, OnGpu(DType::f32));
+    cuda::gemm_strided_batched(kGpu, false, false, m, n, k, 1.f, ga2.data<float>(), k, m * k, gb2.data<float>(), n,
+                               k * n, 0.f, gc2.data<float>(), n, m * n, 2, p);
+    const std::vector<float> got = ToCpu(gc, DType::f32).to_vector(), got2 = ToCpu(gc2, DType::f32).to_vector();
+    const std::vector<float> w = want.to_vector(), x = exact.to_vector();
+    // fp32 sums of k exact products, in two orders: about sqrt(k) 2^-24 apart; rounding the operands moves a
+    // result by about sqrt(k) 2^-9 (bf16) or 2^-11 (TF32), far more.
+    double off = 0, off_batched = 0, from_exact = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      off = std::max(off, std::abs(static_cast<double>(got[i]) - w[i]));
+      off_batched = std::max({off_batched, std::abs(static_cast<double>(got2[i]) - w[i]),
+                              std::abs(static_cast<double>(got2[got.size() + i]) - w[i])});
+      from_exact = std::max(from_exact, std::abs(static_cast<double>(got[i]) - x[i]));
+    }
+    EXPECT_LT(off, 1e-4) << "largest difference from the GEMM of rounded operands";
+    EXPECT_LT(off_batched, 1e-4) << "batched: largest difference from the GEMM of rounded operands";
+    EXPECT_GT(from_exact, 1e-3) << "the operands were not rounded";
+  }
 }
 
 }  // namespace

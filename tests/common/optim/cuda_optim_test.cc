@@ -2,7 +2,9 @@
 // double references in the other files): SGD, Adam and AdamW on parameters on a CUDA device, every parameter /
 // gradient dtype pair, more tensors than one launch takes, a parameter that skips a step. Every test skips, with
 // the reason, when no CUDA device is usable at run time.
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -100,10 +102,8 @@ TEST_P(CudaOptimizerTest, StepsEqualTheCpuOptimizer) {
     ASSERT_TRUE(cpu_opt->step().ok());
     ASSERT_TRUE(gpu_opt->step().ok());
   }
-  // fp32 state and weights: the same formula in fp32, where nvcc may fuse a multiply-add that gcc rounds twice.
-  // A bf16/f16 parameter is its master rounded: equal, or one unit apart where the masters straddle a rounding
-  // boundary.
-  const double rel = 1e-5;
+  // The same fp32 arithmetic in the same order, no FMA on either side (Note [no contraction] in fused_optim.cu):
+  // state, fp32 weights and rounded bf16/f16 parameters equal bit for bit.
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     SCOPED_TRACE(::testing::Message() << "parameter " << i << " of " << sizes[i] << " elements");
     const ParamState* cs = cpu_opt->state(static_cast<std::int64_t>(i));
@@ -116,14 +116,15 @@ TEST_P(CudaOptimizerTest, StepsEqualTheCpuOptimizer) {
       const std::vector<float> want = t.to_vector();
       const std::vector<float> got = ToDevice(gs->tensors.at(key), Device::cpu()).to_vector();
       for (std::size_t k = 0; k < want.size(); ++k) {
-        ASSERT_NEAR(got[k], want[k], rel * (std::abs(want[k]) + 1e-3)) << key << " element " << k;
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(got[k]), std::bit_cast<std::uint32_t>(want[k]))
+            << key << " element " << k << ": " << got[k] << " on the device, " << want[k] << " on the CPU";
       }
     }
-    const std::vector<float> want = cpu[i].to_vector();
-    const std::vector<float> got = ToDevice(gpu[i], Device::cpu()).to_vector();
-    const double unit = c.param == DType::f32 ? rel : (c.param == DType::bf16 ? 1.0 / 128 : 1.0 / 1024);
+    // to_vector widens a bf16 / f16 parameter exactly: equal floats, equal parameters.
+    const std::vector<float> want = cpu[i].to_vector(), got = ToDevice(gpu[i], Device::cpu()).to_vector();
     for (std::size_t k = 0; k < want.size(); ++k) {
-      ASSERT_NEAR(got[k], want[k], unit * (std::abs(want[k]) + 1e-3)) << "parameter element " << k;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(got[k]), std::bit_cast<std::uint32_t>(want[k]))
+          << "parameter element " << k << ": " << got[k] << " on the device, " << want[k] << " on the CPU";
     }
   }
 }

@@ -201,10 +201,27 @@ void HostFree(void* p) noexcept { std::free(p); }
 void SyncDev(Device d) { Guard(d); FlushMine(); }
 int Count() noexcept { return 1; }
 
-// ---- cuBLAS column-major sgemm with its argument checks ----
+// An operand as tensor cores see it below MatmulPrecision::highest: each value rounded to nearest even, to
+// bf16 (medium) or to TF32's 10-bit mantissa (high); NaN and infinities kept.
+std::vector<float> Rounded(const float* x, std::size_t n, MatmulPrecision p) {
+  std::vector<float> out(x, x + n);
+  for (float& v : out) {
+    if (!std::isfinite(v)) continue;
+    if (p == MatmulPrecision::medium) {
+      v = bf16_to_f32(f32_to_bf16(v));
+    } else {
+      const std::uint32_t bits = std::bit_cast<std::uint32_t>(v);
+      v = std::bit_cast<float>((bits + 0xfffu + ((bits >> 13) & 1u)) & ~0x1fffu);
+    }
+  }
+  return out;
+}
+
+// ---- cuBLAS column-major sgemm (cublasGemmEx with a FAST_TF32 / FAST_16BF compute type below highest) with its
+// argument checks ----
 void Sgemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc,
-           const char* what) {
+           MatmulPrecision precision, const char* what) {
   if (m < 0 || n < 0 || k < 0) Fail(std::string(what) + ": negative");
   if (lda < std::max<std::int64_t>(1, ta ? k : m)) Fail(std::string(what) + ": CUBLAS_STATUS_INVALID_VALUE lda");
   if (ldb < std::max<std::int64_t>(1, tb ? n : k)) Fail(std::string(what) + ": CUBLAS_STATUS_INVALID_VALUE ldb");
@@ -213,17 +230,25 @@ void Sgemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, flo
   // extents
   const std::int64_t a_cols = ta ? m : k, a_rows = ta ? k : m;
   const std::int64_t b_cols = tb ? k : n, b_rows = tb ? n : k;
+  const std::size_t a_extent = static_cast<std::size_t>((a_cols - 1) * lda + a_rows);
+  const std::size_t b_extent = static_cast<std::size_t>((b_cols - 1) * ldb + b_rows);
   if (k > 0 && alpha != 0.f) {
-    Dev(a, static_cast<std::size_t>((a_cols - 1) * lda + a_rows) * 4, "gemm A");
-    Dev(b, static_cast<std::size_t>((b_cols - 1) * ldb + b_rows) * 4, "gemm B");
+    Dev(a, a_extent * 4, "gemm A");
+    Dev(b, b_extent * 4, "gemm B");
   }
   Dev(c, static_cast<std::size_t>((n - 1) * ldc + m) * 4, "gemm C");
   // Column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T: the CPU GEMM with the operands swapped.
-  kernels::gemm(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+  if (precision == MatmulPrecision::highest || k == 0 || alpha == 0.f) {
+    kernels::gemm(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+    return;
+  }
+  const std::vector<float> ra = Rounded(a, a_extent, precision), rb = Rounded(b, b_extent, precision);
+  kernels::gemm(tb, ta, n, m, k, alpha, rb.data(), ldb, ra.data(), lda, beta, c, ldc);
 }
 
 void Gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-          const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+          const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc,
+          MatmulPrecision precision) {
   if (m < 0 || n < 0 || k < 0) Fail("gemm negative");
   if (m == 0 || n == 0) return;
   Guard(device);
@@ -237,24 +262,24 @@ void Gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
       }
     return;
   }
-  Sgemm(trans_b, trans_a, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc, "cublasSgemm");
+  Sgemm(trans_b, trans_a, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc, precision, "cublasSgemm");
 }
 
 void GemmStridedBatched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                         float alpha, const float* a, std::int64_t lda, std::int64_t stride_a, const float* b,
                         std::int64_t ldb, std::int64_t stride_b, float beta, float* c, std::int64_t ldc,
-                        std::int64_t stride_c, std::int64_t batches) {
+                        std::int64_t stride_c, std::int64_t batches, MatmulPrecision precision) {
   if (m < 0 || n < 0 || k < 0 || batches < 0) Fail("gemm_strided_batched negative");
   if (m == 0 || n == 0 || batches == 0) return;
   if (k == 0 || alpha == 0.f) {
-    for (std::int64_t i = 0; i < batches; ++i) Gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c + i * stride_c, ldc);
+    for (std::int64_t i = 0; i < batches; ++i) Gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c + i * stride_c, ldc, precision);
     return;
   }
   Guard(device);
   Open o;
   for (std::int64_t i = 0; i < batches; ++i) {
     Sgemm(trans_b, trans_a, n, m, k, alpha, b + i * stride_b, ldb, a + i * stride_a, lda, beta, c + i * stride_c, ldc,
-          "cublasSgemmStridedBatched");
+          precision, "cublasSgemmStridedBatched");
   }
 }
 
