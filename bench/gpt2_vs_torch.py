@@ -97,7 +97,7 @@ def torch_tokens_per_s(batch, steps, dtype, attention):
 
 
 def shardkit_tokens_per_s(binary, batch, precision):
-    out = subprocess.run([binary, "--benchmark_format=json", f"--benchmark_filter=gpt2-small/{precision}$"],
+    out = subprocess.run([binary, "--benchmark_format=json", f"--benchmark_filter=gpt2-small/{precision}/"],
                          check=True, capture_output=True, text=True,
                          env={**os.environ, "SHARDKIT_BENCH_BATCH": str(batch)})
     runs = json.loads(out.stdout)["benchmarks"]

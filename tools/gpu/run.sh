@@ -53,7 +53,7 @@ done
 # (about two steps, after the warm-up), one pass each, with the clocks left alone; summed by name.
 if command -v ncu > /dev/null && (( $(limit 150) > 60 )); then
   timeout "$(limit 150)" ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-skip 3000 \
-    --launch-count 1500 "$here/bin/model_bench_cuda" --benchmark_filter='gpt2-small/medium$' > "$out/ncu.csv" 2> "$out/ncu.err"
+    --launch-count 1500 "$here/bin/model_bench_cuda" --benchmark_filter=gpt2-small/medium/ > "$out/ncu.csv" 2> "$out/ncu.err"
   echo "ncu exit $?" >> "$out/summary.txt"
   python3 "$here/kernel_times.py" "$out/ncu.csv" > "$out/kernel_times.txt" 2>&1
   head -40 "$out/kernel_times.txt"

@@ -1,7 +1,10 @@
 // The CUDA kernels against the CPU kernels (themselves checked against double references in the other
 // test files). Every test skips, with the reason, when no CUDA device is usable at run time.
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <cmath>
+#include <iostream>
 #include <vector>
 
 #include "common/kernels/cuda/cuda_kernels.h"
@@ -211,10 +214,12 @@ TEST(CudaKernelsTest, MatmulMatchesCpuForEveryTranspose) {
   EXPECT_EQ(ToCpu(out, DType::f32).to_vector(), std::vector<float>(6, 1.f));
 }
 
-// Below MatmulPrecision::highest (Note [matmul precision]) the device multiplies operands rounded to bf16 / TF32
-// and accumulates in fp32: the result is the CPU's fp32 GEMM of the rounded operands (products of rounded values
-// are exact in fp32; only the order of the sums differs), and it is not the fp32 GEMM of the unrounded ones. The
-// batched GEMM too. The CPU GEMM ignores the setting.
+// Below MatmulPrecision::highest (Note [matmul precision]) the device multiplies operands rounded to TF32 / bf16
+// and accumulates in fp32, and the result is not the fp32 GEMM of the unrounded operands; the batched GEMM too. The
+// CPU GEMM ignores the setting. TF32 (seen on an H200): the CPU's fp32 GEMM of the operands rounded to nearest
+// (products of rounded values are exact in fp32; only the order of the sums differs). bf16: cuBLAS does not say how
+// it rounds, and on an H200 the result was up to 0.045 from the round-to-nearest reference here, so the check is
+// the bound any bf16 rounding of the operands keeps: each product within 2^-7 of its value (truncation's bound).
 TEST(CudaKernelsTest, MatmulAtReducedPrecisionMultipliesRoundedOperands) {
   SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
   const std::int64_t m = 96, n = 80, k = 256;
@@ -257,9 +262,37 @@ TEST(CudaKernelsTest, MatmulAtReducedPrecisionMultipliesRoundedOperands) {
                               std::abs(static_cast<double>(got2[got.size() + i]) - w[i])});
       from_exact = std::max(from_exact, std::abs(static_cast<double>(got[i]) - x[i]));
     }
-    EXPECT_LT(off, 1e-4) << "largest difference from the GEMM of rounded operands";
-    EXPECT_LT(off_batched, 1e-4) << "batched: largest difference from the GEMM of rounded operands";
     EXPECT_GT(from_exact, 1e-3) << "the operands were not rounded";
+    if (p == MatmulPrecision::high) {
+      EXPECT_LT(off, 1e-4) << "largest difference from the GEMM of rounded operands";
+      EXPECT_LT(off_batched, 1e-4) << "batched: largest difference from the GEMM of rounded operands";
+      continue;
+    }
+    const std::vector<float> av = a.to_vector(), bv = b.to_vector();
+    for (std::int64_t i = 0; i < m; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        double bound = 0;  // 2^-7 sum_l |a_il b_lj|, and the fp32 sums' own error
+        for (std::int64_t l = 0; l < k; ++l) bound += std::abs(static_cast<double>(av[i * k + l]) * bv[l * n + j]);
+        bound = bound * 0x1p-7 + 1e-4;
+        const std::size_t e = static_cast<std::size_t>(i * n + j);
+        ASSERT_LE(std::abs(got[e] - x[e]), bound) << "element " << e << " (round-to-nearest reference " << w[e] << ")";
+        ASSERT_LE(std::abs(got2[e] - x[e]), bound) << "batched, element " << e;
+        ASSERT_LE(std::abs(got2[got.size() + e] - x[e]), bound) << "batched, second, element " << e;
+      }
+    }
+    // What the rounding looks like, for the record: the GEMM of operands truncated to bf16.
+    auto truncated = [](const Tensor& t) {
+      std::vector<float> v = t.to_vector();
+      for (float& f : v) f = std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) & 0xffff0000u);
+      return Tensor::from_vector(v, t.shape());
+    };
+    Tensor rz = Tensor::zeros({m, n});
+    matmul(truncated(a), truncated(b), rz);
+    double off_rz = 0;
+    const std::vector<float> z = rz.to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) off_rz = std::max(off_rz, std::abs(static_cast<double>(got[i]) - z[i]));
+    std::cout << "[ info     ] medium: largest difference from the fp32 GEMM " << from_exact
+              << ", from the GEMM of bf16 operands rounded to nearest " << off << ", truncated " << off_rz << "\n";
   }
 }
 
