@@ -120,7 +120,8 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}  batch {a.batch} x 1024  torch {torch.__version__}")
     print(f"shardkit fp32, matmul {precision}: {sk['tokens_per_s']:.0f} tokens/s  (step {sk['step_tflops']:.1f} "
           f"TFLOP/s, GEMM limit {sk['gemm_tflops']:.1f}, frac_of_gemm {sk['frac_of_gemm']:.2f}; forward "
-          f"{sk['forward_ms']:.1f} ms, backward {sk['backward_ms']:.1f} ms, optimizer {sk['optimizer_ms']:.1f} ms)")
+          f"{sk['forward_ms']:.1f} ms, backward {sk['backward_ms']:.1f} ms, optimizer {sk['optimizer_ms']:.1f} ms; "
+          f"third step's loss {sk['loss']:.3f})")
     print(f"pytorch eager {a.dtype} ({a.attention}): {th:.0f} tokens/s")
     print(f"shardkit / pytorch: {sk['tokens_per_s'] / th:.2f}")
 

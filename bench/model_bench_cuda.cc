@@ -10,6 +10,7 @@
 //   gemm_tflops    a 4096^3 fp32 cuBLAS GEMM at the same precision measured in the same run (the limit)
 //   frac_of_gemm   step_tflops / gemm_tflops (MFU against what this GPU's GEMM reaches at that precision)
 //   forward_ms, backward_ms, optimizer_ms   one extra step, the device synchronised after each phase
+//   loss           that step's loss (the third step on one batch)
 // bench/gpt2_vs_torch.py runs this binary and PyTorch eager on the same model, batch and dtype and prints the ratio.
 // Without a usable CUDA device every case is skipped with the reason.
 //
@@ -106,7 +107,7 @@ void BM_GptTrainStepCuda(benchmark::State& state, const std::string& config_name
   const auto t0 = Clock::now();
   (*opt)->zero_grad();
   Tensor loss = gpt.loss(idx, targets);
-  ReadFirst(loss);
+  state.counters["loss"] = ReadFirst(loss);  // after 2 steps on this one batch: a sanity check (ln 50257 = 10.8)
   const auto t1 = Clock::now();
   autograd::backward(loss);
   ReadFirst(gpt.parameters().front());

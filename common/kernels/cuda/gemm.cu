@@ -6,8 +6,20 @@
 // transpose flags, and the dimensions (n, m, k). Handles use cuBLAS's default math mode: full fp32
 // (no TF32 tensor-core rounding), so results agree with the CPU GEMM to fp32 rounding. Below
 // MatmulPrecision::highest the same products go through cublasGemmEx / cublasGemmStridedBatchedEx with fp32
-// operands and results and a FAST_TF32 / FAST_16BF compute type: tensor cores on rounded operands, fp32
-// accumulation (Note [matmul precision] in common/tensor/matmul_precision.h).
+// results and fp32 accumulation on tensor cores (Note [matmul precision] in common/tensor/matmul_precision.h):
+// "high" hands cuBLAS the fp32 operands with the FAST_TF32 compute type; "medium" hands it bf16 copies of them
+// (Note [bf16 operand copies]) where medium_gemm_uses_bf16 says the copies pay, else runs as "high".
+//
+// Note [bf16 operand copies]: cuBLAS's FAST_16BF compute type on fp32 operands only *allows* bf16; on an H200
+// (stop 32) it ran TF32 kernels for every GPT-2 GEMM (the kernel names said tf32, the results were TF32's), at
+// TF32's speed. So "medium" rounds each operand to bf16 itself (round to nearest even, the CPU's f32_to_bf16) into
+// a stream-ordered scratch buffer from the device's memory pool, and multiplies bf16 x bf16 -> fp32 with the
+// CUBLAS_COMPUTE_32F compute type. The copy is packed: each matrix's rows get a leading dimension rounded up to 8
+// elements (16 bytes) and the matrices of a batch are stored one after another, so an operand with an odd
+// leading dimension (the vocabulary's 50257 columns) or strided heads (attention's Q, K, V inside the qkv rows)
+// still meets the alignment that cuBLAS's fastest tensor-core kernels need. The copies cost one read of each fp32
+// operand and one bf16 write; they are freed on the stream when the GEMM is queued. They are scratch, like
+// cuBLAS's own workspace: not in the memory ledger.
 //
 // Note [cuBLAS loaded on first use]: linking libcublas (and the 540 MB libcublasLt it pulls in) costs
 // every process that links the CUDA kernels (shardkit::cuda) 0.1-0.15 s at start-up (their static
@@ -15,8 +27,10 @@
 // multiplies. cuBLAS is therefore opened with dlopen the first time a CUDA GEMM runs,
 // and its entry points are looked up once (an immutable table after that: no mutable global state).
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <string>
@@ -135,9 +149,80 @@ __global__ void ScaleMatrixKernel(float* c, std::int64_t m, std::int64_t n, std:
   }
 }
 
-// The compute type of an fp32 GEMM below MatmulPrecision::highest.
-cublasComputeType_t ReducedComputeType(MatmulPrecision p) {
-  return p == MatmulPrecision::medium ? CUBLAS_COMPUTE_32F_FAST_16BF : CUBLAS_COMPUTE_32F_FAST_TF32;
+// One operand of a GEMM: `batches` matrices of rows x cols, row i of matrix b at p + b * stride + i * ld.
+struct Operand {
+  const float* p;
+  std::int64_t rows, cols, ld, stride, batches;
+};
+
+// dst[b][i][j] = bf16(src[b * stride + i * ld + j]) for j < cols, rows of dst `dld` apart, matrices rows * dld apart.
+// A block is tx x ty threads: tx along a row, ty rows at a time.
+__global__ void PackBf16Kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, std::int64_t rows,
+                               std::int64_t cols, std::int64_t ld, std::int64_t stride, std::int64_t total_rows,
+                               std::int64_t dld) {
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; r < total_rows;
+       r += static_cast<std::int64_t>(gridDim.x) * blockDim.y) {
+    const std::int64_t b = r / rows, i = r - b * rows;
+    const float* in = src + b * stride + i * ld;
+    __nv_bfloat16* out = dst + r * dld;
+    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) out[j] = __float2bfloat16_rn(in[j]);
+  }
+}
+
+// A packed bf16 copy of an operand (Note [bf16 operand copies]), freed on the calling thread's stream.
+class Bf16Copy {
+ public:
+  explicit Bf16Copy(const Operand& x) : ld_((x.cols + 7) / 8 * 8), stride_(x.rows * ld_) {
+    const std::int64_t total_rows = x.rows * x.batches;
+    SK_CUDA_CHECK(cudaMallocAsync(&p_, static_cast<std::size_t>(total_rows * ld_) * sizeof(__nv_bfloat16),
+                                  cudaStreamPerThread));
+    const unsigned tx = x.cols >= 256 ? 256u : static_cast<unsigned>((x.cols + 31) / 32 * 32);
+    const unsigned ty = 256u / tx;
+    const std::int64_t blocks = std::min<std::int64_t>((total_rows + ty - 1) / ty, 65536);
+    PackBf16Kernel<<<static_cast<unsigned>(blocks), dim3(tx, ty), 0, cudaStreamPerThread>>>(
+        x.p, p_, x.rows, x.cols, x.ld, x.stride, total_rows, ld_);
+    CheckLaunch("cuda::gemm bf16 operand copy");
+  }
+  ~Bf16Copy() { cudaFreeAsync(p_, cudaStreamPerThread); }
+  Bf16Copy(const Bf16Copy&) = delete;
+  Bf16Copy& operator=(const Bf16Copy&) = delete;
+
+  const void* data() const { return p_; }
+  int ld() const { return static_cast<int>(ld_); }
+  long long stride() const { return stride_; }
+
+ private:
+  __nv_bfloat16* p_ = nullptr;
+  std::int64_t ld_, stride_;
+};
+
+// Row-major C_b = alpha op(A_b) op(B_b) + beta C_b for b < batches on bf16 copies of A and B, fp32 accumulation
+// and C (Note [bf16 operand copies]); the operands swapped as in Note [row-major through column-major cuBLAS].
+cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                                std::int64_t k, float alpha, const Operand& a, const Operand& b, float beta, float* c,
+                                std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
+  const Bf16Copy a16(a), b16(b);
+  const CublasApi& api = CheckedCublas();
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (batches == 1) {
+    return api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha,
+                       b16.data(), CUDA_R_16BF, b16.ld(), a16.data(), CUDA_R_16BF, a16.ld(), &beta, c, CUDA_R_32F,
+                       static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }
+  return api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+                                     &alpha, b16.data(), CUDA_R_16BF, b16.ld(), b16.stride(), a16.data(),
+                                     CUDA_R_16BF, a16.ld(), a16.stride(), &beta, c, CUDA_R_32F, static_cast<int>(ldc),
+                                     stride_c, static_cast<int>(batches), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+// op(A) of a row-major GEMM is [m, k]: A is stored m x k, or k x m when transposed; likewise B.
+Operand OperandA(bool trans_a, std::int64_t m, std::int64_t k, const float* a, std::int64_t lda,
+                 std::int64_t stride, std::int64_t batches) {
+  return {a, trans_a ? k : m, trans_a ? m : k, lda, stride, batches};
+}
+Operand OperandB(bool trans_b, std::int64_t k, std::int64_t n, const float* b, std::int64_t ldb,
+                 std::int64_t stride, std::int64_t batches) {
+  return {b, trans_b ? n : k, trans_b ? k : n, ldb, stride, batches};
 }
 
 }  // namespace
@@ -167,10 +252,13 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
   if (precision == MatmulPrecision::highest) {
     s = api.sgemm(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
                   static_cast<int>(ldb), a, static_cast<int>(lda), &beta, c, static_cast<int>(ldc));
-  } else {
+  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n)) {
     s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
                     CUDA_R_32F, static_cast<int>(ldb), a, CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F,
-                    static_cast<int>(ldc), ReducedComputeType(precision), CUBLAS_GEMM_DEFAULT);
+                    static_cast<int>(ldc), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
+  } else {
+    s = GemmOnBf16Copies(h, trans_a, trans_b, m, n, k, alpha, OperandA(trans_a, m, k, a, lda, 0, 1),
+                         OperandB(trans_b, k, n, b, ldb, 0, 1), beta, c, ldc, 0, 1);
   }
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS GEMM (m=" << m << ", n=" << n << ", k=" << k << ", precision "
                                        << matmul_precision_name(precision) << "): " << CublasStatusName(s);
@@ -203,12 +291,15 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
     s = api.sgemm_strided_batched(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
                                   &alpha, b, static_cast<int>(ldb), stride_b, a, static_cast<int>(lda), stride_a,
                                   &beta, c, static_cast<int>(ldc), stride_c, static_cast<int>(batches));
-  } else {
+  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n)) {
     s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
                                     &alpha, b, CUDA_R_32F, static_cast<int>(ldb), stride_b, a, CUDA_R_32F,
                                     static_cast<int>(lda), stride_a, &beta, c, CUDA_R_32F, static_cast<int>(ldc),
-                                    stride_c, static_cast<int>(batches), ReducedComputeType(precision),
+                                    stride_c, static_cast<int>(batches), CUBLAS_COMPUTE_32F_FAST_TF32,
                                     CUBLAS_GEMM_DEFAULT);
+  } else {
+    s = GemmOnBf16Copies(h, trans_a, trans_b, m, n, k, alpha, OperandA(trans_a, m, k, a, lda, stride_a, batches),
+                         OperandB(trans_b, k, n, b, ldb, stride_b, batches), beta, c, ldc, stride_c, batches);
   }
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS strided batched GEMM (m=" << m << ", n=" << n << ", k=" << k
                                        << ", batches=" << batches << ", precision "

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cmath>
 #include <iostream>
+#include <utility>
 #include <vector>
 
 #include "common/kernels/cuda/cuda_kernels.h"
@@ -215,84 +216,73 @@ TEST(CudaKernelsTest, MatmulMatchesCpuForEveryTranspose) {
 }
 
 // Below MatmulPrecision::highest (Note [matmul precision]) the device multiplies operands rounded to TF32 / bf16
-// and accumulates in fp32, and the result is not the fp32 GEMM of the unrounded operands; the batched GEMM too. The
-// CPU GEMM ignores the setting. TF32 (seen on an H200): the CPU's fp32 GEMM of the operands rounded to nearest
-// (products of rounded values are exact in fp32; only the order of the sums differs). bf16: cuBLAS does not say how
-// it rounds, and on an H200 the result was up to 0.045 from the round-to-nearest reference here, so the check is
-// the bound any bf16 rounding of the operands keeps: each product within 2^-7 of its value (truncation's bound).
+// (to nearest) and accumulates in fp32: the result is the CPU's fp32 GEMM of the rounded operands (products of
+// rounded values are exact in fp32; only the order of the sums differs), and it is not the fp32 GEMM of the
+// unrounded ones. "medium" rounds to bf16 where medium_gemm_uses_bf16 says so, else to TF32. The CPU GEMM ignores
+// the setting. Odd sizes and leading dimensions, and attention's strided heads inside the qkv rows, check the
+// bf16 copies' packing (Note [bf16 operand copies] in gemm.cu).
+double MaxDiff(const std::vector<float>& x, const std::vector<float>& y) {
+  double d = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) d = std::max(d, std::abs(static_cast<double>(x[i]) - y[i]));
+  return d;
+}
+
+// How the device rounds a GEMM's operands at `p`: bf16 or TF32 (f16's 10-bit mantissa; the values here are far
+// from f16's range limits).
+DType RoundingOf(MatmulPrecision p, std::int64_t m, std::int64_t n) {
+  return p == MatmulPrecision::medium && medium_gemm_uses_bf16(m, n) ? DType::bf16 : DType::f16;
+}
+
+Tensor Rounded(const Tensor& x, DType narrow) { return x.to(narrow).to(DType::f32); }
+
 TEST(CudaKernelsTest, MatmulAtReducedPrecisionMultipliesRoundedOperands) {
   SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
-  const std::int64_t m = 96, n = 80, k = 256;
+  ASSERT_TRUE(medium_gemm_uses_bf16(600, 520));
+  ASSERT_FALSE(medium_gemm_uses_bf16(96, 77));
   Generator gen(11);
-  const Tensor a = Tensor::uniform({m, k}, gen, -1, 1), b = Tensor::uniform({k, n}, gen, -1, 1);
-  Tensor exact = Tensor::zeros({m, n});
-  matmul(a, b, exact);
-  auto twice = [](const Tensor& t) {
-    std::vector<float> v = t.to_vector();
-    v.insert(v.end(), v.begin(), v.end());
-    return ToGpu(Tensor::from_vector(v, {2 * t.size(0), t.size(1)}));
-  };
-  const Tensor ga2 = twice(a), gb2 = twice(b);
+  for (const auto& [m, n] : {std::pair<std::int64_t, std::int64_t>{600, 520}, {96, 77}}) {
+    const std::int64_t k = 131;
+    const Tensor a = Tensor::uniform({m, k}, gen, -1, 1), b = Tensor::uniform({k, n}, gen, -1, 1);
+    Tensor exact = Tensor::zeros({m, n});
+    matmul(a, b, exact);
+    const Tensor ga = ToGpu(a), gb = ToGpu(b);
+    for (MatmulPrecision p : {MatmulPrecision::high, MatmulPrecision::medium}) {
+      SCOPED_TRACE(::testing::Message() << matmul_precision_name(p) << " m=" << m << " n=" << n);
+      const DType narrow = RoundingOf(p, m, n);
+      Tensor want = Tensor::zeros({m, n});
+      matmul(Rounded(a, narrow), Rounded(b, narrow), want);
+      RankContext ctx;
+      ctx.matmul_precision = p;
+      RankContextScope scope(ctx);
+      Tensor cpu = Tensor::zeros({m, n});
+      matmul(a, b, cpu);
+      EXPECT_EQ(cpu.to_vector(), exact.to_vector()) << "the CPU GEMM is always fp32";
+      const Tensor gc = Tensor::empty({m, n}, OnGpu(DType::f32));
+      matmul(ga, gb, gc);
+      const std::vector<float> got = ToCpu(gc, DType::f32).to_vector();
+      // fp32 sums of k exact products, in two orders: about sqrt(k) 2^-24 apart; rounding the operands moves a
+      // result by about sqrt(k) 2^-9 (bf16) or 2^-11 (TF32), far more.
+      EXPECT_LT(MaxDiff(got, want.to_vector()), 1e-4) << "largest difference from the GEMM of rounded operands";
+      EXPECT_GT(MaxDiff(got, exact.to_vector()), 1e-3) << "the operands were not rounded";
+    }
+  }
+  // Attention's product S_h = Q_h K_h^T, batched over `heads` heads of width hs inside qkv rows [t, 3c], hs apart.
+  const std::int64_t t = 520, hs = 24, heads = 2, c = heads * hs;
+  const Tensor qkv = Tensor::uniform({t, 3 * c}, gen, -1, 1);
+  const Tensor gqkv = ToGpu(qkv);
   for (MatmulPrecision p : {MatmulPrecision::high, MatmulPrecision::medium}) {
-    SCOPED_TRACE(matmul_precision_name(p));
-    // TF32 keeps 10 mantissa bits, as f16 does (the values here are far from f16's range limits).
-    const DType rounding = p == MatmulPrecision::medium ? DType::bf16 : DType::f16;
-    Tensor want = Tensor::zeros({m, n});
-    matmul(a.to(rounding).to(DType::f32), b.to(rounding).to(DType::f32), want);
-    RankContext ctx;
-    ctx.matmul_precision = p;
-    RankContextScope scope(ctx);
-    Tensor cpu = Tensor::zeros({m, n});
-    matmul(a, b, cpu);
-    EXPECT_EQ(cpu.to_vector(), exact.to_vector()) << "the CPU GEMM is always fp32";
-    const Tensor gc = Tensor::empty({m, n}, OnGpu(DType::f32));
-    matmul(ToGpu(a), ToGpu(b), gc);
-    // Batched: the same product twice through gemm_strided_batched.
-    const Tensor gc2 = Tensor::empty({2 * m, n}, OnGpu(DType::f32));
-    cuda::gemm_strided_batched(kGpu, false, false, m, n, k, 1.f, ga2.data<float>(), k, m * k, gb2.data<float>(), n,
-                               k * n, 0.f, gc2.data<float>(), n, m * n, 2, p);
-    const std::vector<float> got = ToCpu(gc, DType::f32).to_vector(), got2 = ToCpu(gc2, DType::f32).to_vector();
-    const std::vector<float> w = want.to_vector(), x = exact.to_vector();
-    // fp32 sums of k exact products, in two orders: about sqrt(k) 2^-24 apart; rounding the operands moves a
-    // result by about sqrt(k) 2^-9 (bf16) or 2^-11 (TF32), far more.
-    double off = 0, off_batched = 0, from_exact = 0;
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      off = std::max(off, std::abs(static_cast<double>(got[i]) - w[i]));
-      off_batched = std::max({off_batched, std::abs(static_cast<double>(got2[i]) - w[i]),
-                              std::abs(static_cast<double>(got2[got.size() + i]) - w[i])});
-      from_exact = std::max(from_exact, std::abs(static_cast<double>(got[i]) - x[i]));
+    SCOPED_TRACE(::testing::Message() << matmul_precision_name(p) << " batched heads");
+    const Tensor r = Rounded(qkv, RoundingOf(p, t, t));
+    Tensor want = Tensor::zeros({heads, t, t});
+    for (std::int64_t h = 0; h < heads; ++h) {
+      gemm(false, true, t, t, hs, 1.f, r.data<float>() + h * hs, 3 * c, r.data<float>() + c + h * hs, 3 * c, 0.f,
+           want.data<float>() + h * t * t, t);
     }
-    EXPECT_GT(from_exact, 1e-3) << "the operands were not rounded";
-    if (p == MatmulPrecision::high) {
-      EXPECT_LT(off, 1e-4) << "largest difference from the GEMM of rounded operands";
-      EXPECT_LT(off_batched, 1e-4) << "batched: largest difference from the GEMM of rounded operands";
-      continue;
-    }
-    const std::vector<float> av = a.to_vector(), bv = b.to_vector();
-    for (std::int64_t i = 0; i < m; ++i) {
-      for (std::int64_t j = 0; j < n; ++j) {
-        double bound = 0;  // 2^-7 sum_l |a_il b_lj|, and the fp32 sums' own error
-        for (std::int64_t l = 0; l < k; ++l) bound += std::abs(static_cast<double>(av[i * k + l]) * bv[l * n + j]);
-        bound = bound * 0x1p-7 + 1e-4;
-        const std::size_t e = static_cast<std::size_t>(i * n + j);
-        ASSERT_LE(std::abs(got[e] - x[e]), bound) << "element " << e << " (round-to-nearest reference " << w[e] << ")";
-        ASSERT_LE(std::abs(got2[e] - x[e]), bound) << "batched, element " << e;
-        ASSERT_LE(std::abs(got2[got.size() + e] - x[e]), bound) << "batched, second, element " << e;
-      }
-    }
-    // What the rounding looks like, for the record: the GEMM of operands truncated to bf16.
-    auto truncated = [](const Tensor& t) {
-      std::vector<float> v = t.to_vector();
-      for (float& f : v) f = std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) & 0xffff0000u);
-      return Tensor::from_vector(v, t.shape());
-    };
-    Tensor rz = Tensor::zeros({m, n});
-    matmul(truncated(a), truncated(b), rz);
-    double off_rz = 0;
-    const std::vector<float> z = rz.to_vector();
-    for (std::size_t i = 0; i < got.size(); ++i) off_rz = std::max(off_rz, std::abs(static_cast<double>(got[i]) - z[i]));
-    std::cout << "[ info     ] medium: largest difference from the fp32 GEMM " << from_exact
-              << ", from the GEMM of bf16 operands rounded to nearest " << off << ", truncated " << off_rz << "\n";
+    const Tensor gs = Tensor::empty({heads, t, t}, OnGpu(DType::f32));
+    cuda::gemm_strided_batched(kGpu, false, true, t, t, hs, 1.f, gqkv.data<float>(), 3 * c, hs,
+                               gqkv.data<float>() + c, 3 * c, hs, 0.f, gs.data<float>(), t, t * t, heads, p);
+    EXPECT_LT(MaxDiff(ToCpu(gs, DType::f32).to_vector(), want.to_vector()), 1e-4)
+        << "largest difference from the GEMM of rounded operands";
   }
 }
 

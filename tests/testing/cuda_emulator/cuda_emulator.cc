@@ -242,7 +242,10 @@ void Sgemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, flo
     kernels::gemm(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
     return;
   }
-  const std::vector<float> ra = Rounded(a, a_extent, precision), rb = Rounded(b, b_extent, precision);
+  // "medium" falls back to TF32 where bf16 copies would not pay (the GEMM's m, n: this one's n, m).
+  const MatmulPrecision p = precision == MatmulPrecision::medium && !medium_gemm_uses_bf16(n, m) ? MatmulPrecision::high
+                                                                                                 : precision;
+  const std::vector<float> ra = Rounded(a, a_extent, p), rb = Rounded(b, b_extent, p);
   kernels::gemm(tb, ta, n, m, k, alpha, rb.data(), ldb, ra.data(), lda, beta, c, ldc);
 }
 
