@@ -25,9 +25,10 @@ export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   for b in "$here"/bin/*; do echo "== ldd $(basename "$b")"; ldd "$b" | grep -E 'not found|nccl|cublas|cudart'; done
 } > "$out/machine.txt" 2>&1
 : > "$out/summary.txt"
-# The device call's limit is 600 s: every step gets at most its own limit and what is left of 560 s, so a hang in
+# The device call's limit is 600 s: every step gets at most its own limit and what is left of 560 s (SHARDKIT_GPU_RUN_S
+# overrides it), so a hang in
 # one step still leaves the results of the others (a step with nothing left is recorded as not run).
-deadline=$((SECONDS + 560))
+deadline=$((SECONDS + ${SHARDKIT_GPU_RUN_S:-560}))
 limit() { local left=$((deadline - SECONDS)); (( left < $1 )) && echo "$left" || echo "$1"; }
 for t in tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test fsdp_cuda_test optim_test comm_nccl_test; do
   (( $(limit 120) > 0 )) || { echo "$t not run: out of time" >> "$out/summary.txt"; continue; }
