@@ -5,7 +5,9 @@
 // fp32 tensors stay fp32 in memory and every product accumulates in fp32; what changes is how the operands enter
 // the multiply:
 //   highest  full fp32 (cublasSgemm): the default, and what the equivalence tests use.
-//   high     operands rounded to TF32 (10-bit mantissa) on tensor cores (cublasGemmEx, CUBLAS_COMPUTE_32F_FAST_TF32).
+//   high     operands rounded to TF32 (10-bit mantissa, to nearest) on tensor cores (cublasGemmEx,
+//            CUBLAS_COMPUTE_32F_FAST_TF32). That compute type only allows TF32: on an H200 cuBLAS ran most shapes in
+//            TF32 and some (a 600 x 520 x 131 product) in full fp32.
 //   medium   operands rounded to bf16 (7-bit mantissa, to nearest even) into scratch copies and multiplied on
 //            tensor cores, bf16 x bf16 -> fp32 (Note [bf16 operand copies] in common/kernels/cuda/gemm.cu): the
 //            GEMMs of bf16 autocast, with fp32 outputs. Under bf16 mixed precision, where parameters and inputs
