@@ -188,20 +188,20 @@ absl::Status Oss::consolidate_state_dict(int to_rank) {
     std::vector<std::int64_t> meta;
     std::vector<float> payload;
     Encode(mine, meta, payload);
+    // On the host, staged through the group's device when it moves only device tensors (NCCL): Note [host
+    // tensors over device-only groups]. Each message is waited for before the next; `to` receives in this order.
     const Tensor header = Tensor::from_int64({static_cast<std::int64_t>(meta.size()),
                                               static_cast<std::int64_t>(payload.size())}, {2});
-    std::vector<std::shared_ptr<comm::Work>> works;
-    works.push_back(pg_->send(header, to_rank, opts));
-    Tensor meta_t, payload_t;
+    if (absl::Status s = comm::send_host(*pg_, header, to_rank, opts, timeout()); !s.ok()) return s;
     if (!meta.empty()) {
-      meta_t = Tensor::from_int64(meta, {static_cast<std::int64_t>(meta.size())});
-      works.push_back(pg_->send(meta_t, to_rank, opts));
+      const Tensor meta_t = Tensor::from_int64(meta, {static_cast<std::int64_t>(meta.size())});
+      if (absl::Status s = comm::send_host(*pg_, meta_t, to_rank, opts, timeout()); !s.ok()) return s;
     }
     if (!payload.empty()) {
-      payload_t = Tensor::from_vector(payload, {static_cast<std::int64_t>(payload.size())});
-      works.push_back(pg_->send(payload_t, to_rank, opts));
+      const Tensor payload_t = Tensor::from_vector(payload, {static_cast<std::int64_t>(payload.size())});
+      if (absl::Status s = comm::send_host(*pg_, payload_t, to_rank, opts, timeout()); !s.ok()) return s;
     }
-    return wait_all(works);
+    return absl::OkStatus();
   }
   std::vector<ShardedStateDict> shards;
   for (int r = 0; r < world; ++r) {
@@ -210,19 +210,19 @@ absl::Status Oss::consolidate_state_dict(int to_rank) {
       continue;
     }
     Tensor header = Tensor::zeros({2}, TensorOptions{}.with_dtype(DType::i64));
-    if (absl::Status s = pg_->recv(header, r, opts)->wait(timeout()); !s.ok()) return s;
+    if (absl::Status s = comm::recv_host(*pg_, header, r, opts, timeout()); !s.ok()) return s;
     const auto nmeta = static_cast<std::int64_t>(header.item_at(0));
     const auto npayload = static_cast<std::int64_t>(header.item_at(1));
     std::vector<std::int64_t> meta;
     std::vector<float> payload;
     if (nmeta > 0) {
       Tensor t = Tensor::zeros({nmeta}, TensorOptions{}.with_dtype(DType::i64));
-      if (absl::Status s = pg_->recv(t, r, opts)->wait(timeout()); !s.ok()) return s;
+      if (absl::Status s = comm::recv_host(*pg_, t, r, opts, timeout()); !s.ok()) return s;
       meta.assign(t.data<std::int64_t>(), t.data<std::int64_t>() + nmeta);
     }
     if (npayload > 0) {
       Tensor t = Tensor::zeros({npayload});
-      if (absl::Status s = pg_->recv(t, r, opts)->wait(timeout()); !s.ok()) return s;
+      if (absl::Status s = comm::recv_host(*pg_, t, r, opts, timeout()); !s.ok()) return s;
       payload = t.to_vector();
     }
     absl::StatusOr<ShardedStateDict> sh = Decode(mine, r, meta, payload);

@@ -38,4 +38,15 @@ absl::Status broadcast_host(ProcessGroup& group, const Tensor& tensor, const Bro
   return finish(group.broadcast(t, options), wait_timeout, tensor, t);
 }
 
+absl::Status send_host(ProcessGroup& group, const Tensor& tensor, int dst, const P2POptions& options,
+                       absl::Duration wait_timeout) {
+  return group.send(staged(group, tensor), dst, options)->wait(wait_timeout);
+}
+
+absl::Status recv_host(ProcessGroup& group, const Tensor& tensor, int src, const P2POptions& options,
+                       absl::Duration wait_timeout) {
+  const Tensor t = staged(group, tensor);
+  return finish(group.recv(t, src, options), wait_timeout, tensor, t);
+}
+
 }  // namespace shardkit::comm

@@ -3,7 +3,8 @@
 // Note [host tensors over device-only groups]
 // Besides the model's tensors, the sharding layers exchange small tensors of their own, built and read on the
 // host: a model's hash (sddp model_sync), the gradients' ready order (the reducer), a norm's partial
-// (sharded_grad_norm), a load_state_dict verdict (OSS), a found-inf flag (GradScaler). The host backends move CPU
+// (sharded_grad_norm), a load_state_dict verdict (OSS), a found-inf flag (GradScaler), OSS's consolidation
+// messages (point to point). The host backends move CPU
 // tensors; NCCL moves only tensors on its CUDA device (ProcessGroup::scratch_device()). These functions run such
 // a call on copies on the group's scratch device when that is not where the tensors are, wait for it, and copy
 // the results back, so the caller writes and reads host tensors whatever the backend. They wait: meant for a few
@@ -27,5 +28,11 @@ absl::Status all_reduce_host(ProcessGroup& group, const Tensor& tensor, const Al
 // group.broadcast(tensor, options) in place, waited for.
 absl::Status broadcast_host(ProcessGroup& group, const Tensor& tensor, const BroadcastOptions& options,
                             absl::Duration wait_timeout = absl::InfiniteDuration());
+// group.send(tensor, dst, options), waited for.
+absl::Status send_host(ProcessGroup& group, const Tensor& tensor, int dst, const P2POptions& options,
+                       absl::Duration wait_timeout = absl::InfiniteDuration());
+// group.recv(tensor, src, options) into tensor, waited for.
+absl::Status recv_host(ProcessGroup& group, const Tensor& tensor, int src, const P2POptions& options,
+                       absl::Duration wait_timeout = absl::InfiniteDuration());
 
 }  // namespace shardkit::comm

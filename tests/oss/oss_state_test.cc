@@ -8,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "oss/oss.h"
 #include "tests/common/tensor/cuda_test_util.h"
+#include "tests/testing/device_only_group.h"
 
 namespace shardkit::oss {
 namespace {
@@ -65,18 +66,21 @@ struct RunResult {
   std::optional<optim::OptimizerStateDict> state;  // consolidated on rank 0 at the end
 };
 
-// `device`: where the parameters live (their gradients are made on the CPU and moved there).
+// `device`: where the parameters live (their gradients are made on the CPU and moved there). `device_only`: the
+// OSS runs over a group that moves only tensors on the device, as NCCL (tests/testing/device_only_group.h).
 RunResult RunSharded(int world, PartitionPolicy policy, const Values& init, int first_step, int last_step,
-                     const optim::OptimizerStateDict* load, Device device = Device::cpu()) {
+                     const optim::OptimizerStateDict* load, Device device = Device::cpu(), bool device_only = false) {
   RunResult result;
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+    std::shared_ptr<comm::ProcessGroup> group = env.group_ptr;
+    if (device_only) group = std::make_shared<comm::testing::DeviceOnlyGroup>(group, device);
     std::vector<Tensor> params = MakeParams(init);
     for (Tensor& p : params) {
       if (device.is_cpu()) continue;
       p = p.to(device, MemoryCategory::parameter);
       p.set_requires_grad(true);
     }
-    auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), env.group_ptr,
+    auto oss = Oss::create({{params, optim::AdamW::default_hyper()}}, optim::AdamW::factory(), group,
                            {.policy = policy});
     if (!oss.ok()) return oss.status();
     if (load != nullptr) {
@@ -137,6 +141,20 @@ TEST_P(OssResume, OnACudaDeviceConsolidateAtTwoLoadAtThreeContinue) {
   const RunResult first = RunSharded(2, GetParam(), InitialValues(), 0, 5, nullptr, Device::cuda(0));
   ASSERT_TRUE(first.state.has_value());
   const RunResult second = RunSharded(3, GetParam(), first.params, 5, 10, &*first.state, Device::cuda(0));
+  ASSERT_EQ(second.params.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    for (std::size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(second.params[i][k], want[i][k], 1e-5) << i << "[" << k << "]";
+  }
+}
+
+// Over a group that moves only device tensors (NCCL's kind; several simulated ranks on one GPU through
+// DeviceOnlyGroup): consolidation's messages, built on the host, travel through the device too.
+TEST_P(OssResume, OverADeviceOnlyGroupConsolidateAtTwoLoadAtThreeContinue) {
+  SK_REQUIRE_CUDA_DEVICE("OSS state dicts over a device-only group");
+  const Values want = Reference(10);
+  const RunResult first = RunSharded(2, GetParam(), InitialValues(), 0, 5, nullptr, Device::cuda(0), true);
+  ASSERT_TRUE(first.state.has_value());
+  const RunResult second = RunSharded(3, GetParam(), first.params, 5, 10, &*first.state, Device::cuda(0), true);
   ASSERT_EQ(second.params.size(), want.size());
   for (std::size_t i = 0; i < want.size(); ++i) {
     for (std::size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(second.params[i][k], want[i][k], 1e-5) << i << "[" << k << "]";

@@ -9,6 +9,7 @@
 #include "oss/oss.h"
 #include "sddp/data_parallel.h"
 #include "tests/common/tensor/cuda_test_util.h"
+#include "tests/testing/device_only_group.h"
 #include "tests/sddp/sddp_test_util.h"
 #include "tests/testing/one_rank_nccl.h"
 
@@ -199,6 +200,41 @@ TEST_P(SddpGptNccl, OneRankOverNcclEqualsTheInProcessGroup) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, SddpGptNccl,
+                         ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::oss_flat_ddp, Mode::sddp_greedy,
+                                           Mode::sddp_flat, Mode::sddp_flat_owner),
+                         [](const auto& info) { return ModeName(info.param); });
+
+// Over a group that moves only device tensors, as NCCL, with several simulated ranks on one GPU
+// (tests/testing/device_only_group.h): the layers' own exchanges (the model check, the ready order, the sharded
+// grad norm of clipping, OSS's verdicts) must travel on the device (Note [host tensors over device-only groups]).
+// 10 clipped steps at N = 2 and 3 equal the same over the in-process group, which the wrapper forwards to (within
+// 1e-6: the embedding gradient's atomic adds).
+class SddpGptDeviceOnly : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(SddpGptDeviceOnly, ClippedTrainingEqualsTheInProcessGroup) {
+  SK_REQUIRE_CUDA_DEVICE("DDP / OSS / ShardedDDP over a device-only group");
+  for (int world : {2, 3}) {
+    std::vector<std::vector<std::vector<float>>> plain(static_cast<std::size_t>(world)), device_only = plain;
+    for (bool wrap : {false, true}) {
+      absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+        std::shared_ptr<comm::ProcessGroup> pg = env.group_ptr;
+        if (wrap) pg = std::make_shared<comm::testing::DeviceOnlyGroup>(pg);
+        absl::StatusOr<std::vector<std::vector<float>>> v = TrainWholeBatchOnGpu(GetParam(), pg, 10);
+        if (!v.ok()) return v.status();
+        (wrap ? device_only : plain)[static_cast<std::size_t>(env.rank)] = std::move(*v);
+        return absl::OkStatus();
+      });
+      ASSERT_TRUE(st.ok()) << "N = " << world << (wrap ? ", device-only group: " : ": ") << st;
+    }
+    // Rank by rank, within 1e-6: the embedding gradient's atomic adds may sum in another order on a GPU.
+    for (std::size_t r = 0; r < plain.size(); ++r) {
+      SCOPED_TRACE(::testing::Message() << "N = " << world << ", rank " << r);
+      gpt_tiny::ExpectMatches({device_only[r]}, plain[r], 1e-6);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SddpGptDeviceOnly,
                          ::testing::Values(Mode::ddp, Mode::oss_ddp, Mode::oss_flat_ddp, Mode::sddp_greedy,
                                            Mode::sddp_flat, Mode::sddp_flat_owner),
                          [](const auto& info) { return ModeName(info.param); });

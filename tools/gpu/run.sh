@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the pack tools/gpu/pack.sh made: the CUDA tests (every test whose name says
-# Cuda / Nccl; without a GPU they skip, here they must pass), optim_bench_cuda, and bench/gpt2_vs_torch.py (GPT-2
-# small against PyTorch eager). Results go to $OUT (the device tool brings them back): one file per binary,
-# summary.txt with each exit status, and the machine's description.
+# Cuda / Nccl / DeviceOnly; without a GPU they skip, here they must pass), optim_bench_cuda, and bench/gpt2_vs_torch.py (GPT-2
+# small against PyTorch eager), then Nsight Compute's per-kernel times of one medium-precision step. Results go to
+# $OUT (the device tool brings them back): summary.txt with each exit status, and results.tar.gz with one file per
+# binary, the kernel times and the machine's description.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/gpu-out}
@@ -26,13 +27,13 @@ export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 } > "$out/machine.txt" 2>&1
 : > "$out/summary.txt"
 # The device call's limit is 600 s: every step gets at most its own limit and what is left of 560 s (SHARDKIT_GPU_RUN_S
-# overrides it), so a hang in
-# one step still leaves the results of the others (a step with nothing left is recorded as not run).
+# overrides it), so a hang in one step still leaves the results of the others (a step with nothing left is
+# recorded as not run).
 deadline=$((SECONDS + ${SHARDKIT_GPU_RUN_S:-560}))
 limit() { local left=$((deadline - SECONDS)); (( left < $1 )) && echo "$left" || echo "$1"; }
-for t in tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test fsdp_cuda_test optim_test comm_nccl_test; do
+for t in tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test fsdp_cuda_test optim_test oss_test comm_nccl_test; do
   (( $(limit 120) > 0 )) || { echo "$t not run: out of time" >> "$out/summary.txt"; continue; }
-  timeout "$(limit 120)" "$here/bin/$t" --gtest_filter='*Cuda*:*cuda*:*Nccl*' > "$out/$t.txt" 2>&1
+  timeout "$(limit 120)" "$here/bin/$t" --gtest_filter='*Cuda*:*cuda*:*Nccl*:*DeviceOnly*' > "$out/$t.txt" 2>&1
   rc=$?
   echo "$t exit $rc: $(grep -E '^\[  (PASSED  |FAILED  |SKIPPED )\] [0-9]+ test' "$out/$t.txt" | tr '\n' ' ')" >> "$out/summary.txt"
 done
