@@ -19,7 +19,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/mixed_precision.h"
 #include "fsdp/state_dict.h"
-#include "tests/testing/device_only_group.h"
+#include "tests/testing/device_only_ranks.h"
 #include "gtest/gtest.h"
 #include "tests/common/tensor/cuda_test_util.h"
 #include "tests/fsdp/fsdp_test_util.h"
@@ -287,46 +287,34 @@ TEST(FsdpGptNccl, OneRankOverNcclEqualsTheInProcessGroup) {
 // over the in-process group, which the wrapper forwards to (within 1e-6: the embedding gradient's atomic adds).
 TEST(FsdpGptDeviceOnly, ClippedTrainingWithAStateRoundTripEqualsTheInProcessGroup) {
   SK_REQUIRE_CUDA_DEVICE("fully_shard over a device-only group");
-  const Device dev = Device::cuda(0);
-  for (int world : {2, 3}) {
-    std::vector<std::vector<std::vector<float>>> plain(static_cast<std::size_t>(world)), device_only = plain;
-    for (bool wrap : {false, true}) {
-      absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
-        std::shared_ptr<comm::ProcessGroup> pg = env.group_ptr;
-        if (wrap) pg = std::make_shared<comm::testing::DeviceOnlyGroup>(pg);
-        nn::GPT model(TinyConfig(), 1);
-        model.to(dev);
-        for (nn::Module* b : modules_of_type(model, "TransformerBlock")) {
-          if (auto s = fully_shard(*b, pg, {.reshard_after_forward = true}); !s.ok()) return s.status();
-        }
-        if (auto s = fully_shard(model, pg); !s.ok()) return s.status();
-        auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
-        if (!opt.ok()) return opt.status();
-        for (int step = 0; step < 6; ++step) {
-          if (step == 3) {
-            auto weights = full_state_dict(model);
-            if (!weights.ok()) return weights.status();
-            auto state = full_optimizer_state(model, **opt);
-            if (!state.ok()) return state.status();
-            if (absl::Status s = load_full_state_dict(model, *weights); !s.ok()) return s;
-            if (absl::Status s = load_full_optimizer_state(model, **opt, *state); !s.ok()) return s;
-          }
-          auto [x, y] = Batch(step, 0, kBatch);
-          (*opt)->zero_grad();
-          if (absl::Status s = autograd::try_backward(model.loss(x.to(dev), y.to(dev))); !s.ok()) return s;
-          if (auto norm = clip_grad_norm(model, 0.05); !norm.ok()) return norm.status();
-          if (absl::Status s = (*opt)->step(); !s.ok()) return s;
-        }
-        return test_util::StoreFullValues(model, wrap ? device_only : plain, env.rank);
-      });
-      ASSERT_TRUE(st.ok()) << "N = " << world << (wrap ? ", device-only group: " : ": ") << st;
+  auto train = [](std::shared_ptr<comm::ProcessGroup> pg) -> absl::StatusOr<std::vector<std::vector<float>>> {
+    const Device dev = Device::cuda(0);
+    nn::GPT model(TinyConfig(), 1);
+    model.to(dev);
+    for (nn::Module* b : modules_of_type(model, "TransformerBlock")) {
+      if (auto s = fully_shard(*b, pg, {.reshard_after_forward = true}); !s.ok()) return s.status();
     }
-    // Rank by rank, within 1e-6: the embedding gradient's atomic adds may sum in another order on a GPU.
-    for (std::size_t r = 0; r < plain.size(); ++r) {
-      SCOPED_TRACE(::testing::Message() << "N = " << world << ", rank " << r);
-      gpt_tiny::ExpectMatches({device_only[r]}, plain[r], 1e-6);
+    if (auto s = fully_shard(model, pg); !s.ok()) return s.status();
+    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+    if (!opt.ok()) return opt.status();
+    for (int step = 0; step < 6; ++step) {
+      if (step == 3) {
+        auto weights = full_state_dict(model);
+        if (!weights.ok()) return weights.status();
+        auto state = full_optimizer_state(model, **opt);
+        if (!state.ok()) return state.status();
+        if (absl::Status s = load_full_state_dict(model, *weights); !s.ok()) return s;
+        if (absl::Status s = load_full_optimizer_state(model, **opt, *state); !s.ok()) return s;
+      }
+      auto [x, y] = Batch(step, 0, kBatch);
+      (*opt)->zero_grad();
+      if (absl::Status s = autograd::try_backward(model.loss(x.to(dev), y.to(dev))); !s.ok()) return s;
+      if (auto norm = clip_grad_norm(model, 0.05); !norm.ok()) return norm.status();
+      if (absl::Status s = (*opt)->step(); !s.ok()) return s;
     }
-  }
+    return test_util::FullValues(model);
+  };
+  gpt_tiny::ExpectDeviceOnlyEqualsInProcess(train, 1e-6);
 }
 
 }  // namespace

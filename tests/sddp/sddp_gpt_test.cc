@@ -9,7 +9,7 @@
 #include "oss/oss.h"
 #include "sddp/data_parallel.h"
 #include "tests/common/tensor/cuda_test_util.h"
-#include "tests/testing/device_only_group.h"
+#include "tests/testing/device_only_ranks.h"
 #include "tests/sddp/sddp_test_util.h"
 #include "tests/testing/one_rank_nccl.h"
 
@@ -213,25 +213,8 @@ class SddpGptDeviceOnly : public ::testing::TestWithParam<Mode> {};
 
 TEST_P(SddpGptDeviceOnly, ClippedTrainingEqualsTheInProcessGroup) {
   SK_REQUIRE_CUDA_DEVICE("DDP / OSS / ShardedDDP over a device-only group");
-  for (int world : {2, 3}) {
-    std::vector<std::vector<std::vector<float>>> plain(static_cast<std::size_t>(world)), device_only = plain;
-    for (bool wrap : {false, true}) {
-      absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
-        std::shared_ptr<comm::ProcessGroup> pg = env.group_ptr;
-        if (wrap) pg = std::make_shared<comm::testing::DeviceOnlyGroup>(pg);
-        absl::StatusOr<std::vector<std::vector<float>>> v = TrainWholeBatchOnGpu(GetParam(), pg, 10);
-        if (!v.ok()) return v.status();
-        (wrap ? device_only : plain)[static_cast<std::size_t>(env.rank)] = std::move(*v);
-        return absl::OkStatus();
-      });
-      ASSERT_TRUE(st.ok()) << "N = " << world << (wrap ? ", device-only group: " : ": ") << st;
-    }
-    // Rank by rank, within 1e-6: the embedding gradient's atomic adds may sum in another order on a GPU.
-    for (std::size_t r = 0; r < plain.size(); ++r) {
-      SCOPED_TRACE(::testing::Message() << "N = " << world << ", rank " << r);
-      gpt_tiny::ExpectMatches({device_only[r]}, plain[r], 1e-6);
-    }
-  }
+  gpt_tiny::ExpectDeviceOnlyEqualsInProcess(
+      [](std::shared_ptr<comm::ProcessGroup> pg) { return TrainWholeBatchOnGpu(GetParam(), std::move(pg), 10); }, 1e-6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, SddpGptDeviceOnly,
