@@ -14,12 +14,13 @@
 // (stop 32) it ran TF32 kernels for every GPT-2 GEMM (the kernel names said tf32, the results were TF32's), at
 // TF32's speed. So "medium" rounds each operand to bf16 itself (round to nearest even, the CPU's f32_to_bf16) into
 // a stream-ordered scratch buffer from the device's memory pool, and multiplies bf16 x bf16 -> fp32 with the
-// CUBLAS_COMPUTE_32F compute type. The copy is packed: each matrix's rows get a leading dimension rounded up to 8
-// elements (16 bytes) and the matrices of a batch are stored one after another, so an operand with an odd
-// leading dimension (the vocabulary's 50257 columns) or strided heads (attention's Q, K, V inside the qkv rows)
-// still meets the alignment that cuBLAS's fastest tensor-core kernels need. The copies cost one read of each fp32
-// operand and one bf16 write; they are freed on the stream when the GEMM is queued. They are scratch, like
-// cuBLAS's own workspace: not in the memory ledger.
+// CUBLAS_COMPUTE_32F compute type. The copies are packed and padded (Note [padded bf16 copies] in
+// bf16_gemm_plan.h): the matrices of a batch one after another, every dimension a multiple of 8 elements, so an
+// operand with an odd leading dimension or k (the vocabulary's 50257) or strided heads (attention's Q, K, V inside
+// the qkv rows) still meets the alignment that cuBLAS's fastest tensor-core kernels need. The copies cost one read
+// of each fp32 operand and one bf16 write (the copy kernel stores 16 bytes at a time, and loads 16 when the source
+// allows); they are freed on the stream when the GEMM is queued. They are scratch, like cuBLAS's own workspace:
+// not in the memory ledger.
 //
 // Note [cuBLAS loaded on first use]: linking libcublas (and the 540 MB libcublasLt it pulls in) costs
 // every process that links the CUDA kernels (shardkit::cuda) 0.1-0.15 s at start-up (their static
@@ -31,10 +32,14 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <string>
 
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/cuda/cuda_util.cuh"
 
@@ -149,80 +154,117 @@ __global__ void ScaleMatrixKernel(float* c, std::int64_t m, std::int64_t n, std:
   }
 }
 
-// One operand of a GEMM: `batches` matrices of rows x cols, row i of matrix b at p + b * stride + i * ld.
-struct Operand {
-  const float* p;
-  std::int64_t rows, cols, ld, stride, batches;
-};
+// Two fp32 values as one word of two bf16 (round to nearest even), the first in the low half (the lower address).
+__device__ __forceinline__ unsigned PackTwo(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  unsigned u;
+  memcpy(&u, &h, sizeof(u));
+  return u;
+}
 
-// dst[b][i][j] = bf16(src[b * stride + i * ld + j]) for j < cols, rows of dst `dld` apart, matrices rows * dld apart.
-// A block is tx x ty threads: tx along a row, ty rows at a time.
-__global__ void PackBf16Kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, std::int64_t rows,
-                               std::int64_t cols, std::int64_t ld, std::int64_t stride, std::int64_t total_rows,
-                               std::int64_t dld) {
-  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; r < total_rows;
-       r += static_cast<std::int64_t>(gridDim.x) * blockDim.y) {
-    const std::int64_t b = r / rows, i = r - b * rows;
-    const float* in = src + b * stride + i * ld;
-    __nv_bfloat16* out = dst + r * dld;
-    for (std::int64_t j = threadIdx.x; j < cols; j += blockDim.x) out[j] = __float2bfloat16_rn(in[j]);
+// Writes the packed bf16 copy `s` of src (Note [padded bf16 copies] in bf16_gemm_plan.h), one group of 8
+// elements (a 16-byte store) per thread and step; `vector_loads`: every full group's source is 16-byte aligned.
+__global__ void PackBf16Kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst, const PackShape s,
+                               bool vector_loads) {
+  const std::int64_t groups = s.groups();
+  for (std::int64_t g = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups;
+       g += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const PackGroup pg = pack_group(s, g);
+    float v[kBf16PadTo];
+    if (pg.valid == kBf16PadTo && vector_loads) {
+      const float4 x0 = *reinterpret_cast<const float4*>(src + pg.src);
+      const float4 x1 = *reinterpret_cast<const float4*>(src + pg.src + 4);
+      v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kBf16PadTo; ++e) v[e] = e < pg.valid ? src[pg.src + e] : 0.f;
+    }
+    const uint4 out = {PackTwo(v[0], v[1]), PackTwo(v[2], v[3]), PackTwo(v[4], v[5]), PackTwo(v[6], v[7])};
+    *reinterpret_cast<uint4*>(dst + pg.dst) = out;
   }
 }
 
-// A packed bf16 copy of an operand (Note [bf16 operand copies]), freed on the calling thread's stream.
-class Bf16Copy {
- public:
-  explicit Bf16Copy(const Operand& x) : ld_((x.cols + 7) / 8 * 8), stride_(x.rows * ld_) {
-    const std::int64_t total_rows = x.rows * x.batches;
-    SK_CUDA_CHECK(cudaMallocAsync(&p_, static_cast<std::size_t>(total_rows * ld_) * sizeof(__nv_bfloat16),
-                                  cudaStreamPerThread));
-    const unsigned tx = x.cols >= 256 ? 256u : static_cast<unsigned>((x.cols + 31) / 32 * 32);
-    const unsigned ty = 256u / tx;
-    const std::int64_t blocks = std::min<std::int64_t>((total_rows + ty - 1) / ty, 65536);
-    PackBf16Kernel<<<static_cast<unsigned>(blocks), dim3(tx, ty), 0, cudaStreamPerThread>>>(
-        x.p, p_, x.rows, x.cols, x.ld, x.stride, total_rows, ld_);
-    CheckLaunch("cuda::gemm bf16 operand copy");
-  }
-  ~Bf16Copy() { cudaFreeAsync(p_, cudaStreamPerThread); }
-  Bf16Copy(const Bf16Copy&) = delete;
-  Bf16Copy& operator=(const Bf16Copy&) = delete;
+bool Aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
-  const void* data() const { return p_; }
-  int ld() const { return static_cast<int>(ld_); }
-  long long stride() const { return stride_; }
+// Stream-ordered scratch from the device's pool, freed on the calling thread's stream (after the work queued
+// before the free).
+template <typename T>
+class Scratch {
+ public:
+  explicit Scratch(std::int64_t numel) {
+    SK_CUDA_CHECK(cudaMallocAsync(&p_, static_cast<std::size_t>(numel) * sizeof(T), cudaStreamPerThread));
+  }
+  ~Scratch() { cudaFreeAsync(p_, cudaStreamPerThread); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  T* get() const { return p_; }
 
  private:
-  __nv_bfloat16* p_ = nullptr;
-  std::int64_t ld_, stride_;
+  T* p_ = nullptr;
 };
 
-// Row-major C_b = alpha op(A_b) op(B_b) + beta C_b for b < batches on bf16 copies of A and B, fp32 accumulation
-// and C (Note [bf16 operand copies]); the operands swapped as in Note [row-major through column-major cuBLAS].
-cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
-                                std::int64_t k, float alpha, const Operand& a, const Operand& b, float beta, float* c,
-                                std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
-  const Bf16Copy a16(a), b16(b);
-  const CublasApi& api = CheckedCublas();
-  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  if (batches == 1) {
-    return api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha,
-                       b16.data(), CUDA_R_16BF, b16.ld(), a16.data(), CUDA_R_16BF, a16.ld(), &beta, c, CUDA_R_32F,
-                       static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  }
-  return api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
-                                     &alpha, b16.data(), CUDA_R_16BF, b16.ld(), b16.stride(), a16.data(),
-                                     CUDA_R_16BF, a16.ld(), a16.stride(), &beta, c, CUDA_R_32F, static_cast<int>(ldc),
-                                     stride_c, static_cast<int>(batches), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+// The packed bf16 copy `s` of src (Note [bf16 operand copies]).
+std::unique_ptr<Scratch<__nv_bfloat16>> PackedCopy(const float* src, const PackShape& s) {
+  auto copy = std::make_unique<Scratch<__nv_bfloat16>>(s.numel());
+  const bool vector_loads = Aligned16(src) && s.ld % 4 == 0 && (s.batches == 1 || s.stride % 4 == 0);
+  const std::int64_t blocks = std::min<std::int64_t>((s.groups() + kThreads - 1) / kThreads, 4096);
+  PackBf16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, cudaStreamPerThread>>>(src, copy->get(), s,
+                                                                                       vector_loads);
+  CheckLaunch("cuda::gemm bf16 operand copy");
+  return copy;
 }
 
-// op(A) of a row-major GEMM is [m, k]: A is stored m x k, or k x m when transposed; likewise B.
-Operand OperandA(bool trans_a, std::int64_t m, std::int64_t k, const float* a, std::int64_t lda,
-                 std::int64_t stride, std::int64_t batches) {
-  return {a, trans_a ? k : m, trans_a ? m : k, lda, stride, batches};
+// Copies `batches` matrices of m rows of n floats between C (leading dimension ldc, stride_c apart) and the
+// staging buffer (plan.ldc, plan.stride_c), in the direction `to_staging`.
+void CopyStaged(float* c, std::int64_t ldc, std::int64_t stride_c, float* staging, const Bf16GemmPlan& plan,
+                std::int64_t m, std::int64_t n, std::int64_t batches, bool to_staging) {
+  for (std::int64_t i = 0; i < batches; ++i) {
+    float* cb = c + i * stride_c;
+    float* sb = staging + i * plan.stride_c;
+    const std::size_t c_pitch = static_cast<std::size_t>(ldc) * sizeof(float);
+    const std::size_t s_pitch = static_cast<std::size_t>(plan.ldc) * sizeof(float);
+    SK_CUDA_CHECK(cudaMemcpy2DAsync(to_staging ? sb : cb, to_staging ? s_pitch : c_pitch, to_staging ? cb : sb,
+                                    to_staging ? c_pitch : s_pitch, static_cast<std::size_t>(n) * sizeof(float),
+                                    static_cast<std::size_t>(m), cudaMemcpyDeviceToDevice, cudaStreamPerThread));
+  }
 }
-Operand OperandB(bool trans_b, std::int64_t k, std::int64_t n, const float* b, std::int64_t ldb,
-                 std::int64_t stride, std::int64_t batches) {
-  return {b, trans_b ? n : k, trans_b ? k : n, ldb, stride, batches};
+
+// Row-major C_b = alpha op(A_b) op(B_b) + beta C_b for b < batches on padded bf16 copies of A and B (Note [bf16
+// operand copies], Note [padded bf16 copies]), fp32 accumulation and C; the operands swapped as in Note [row-major
+// through column-major cuBLAS].
+cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                                std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
+                                const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
+                                std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
+  const Bf16GemmPlan plan =
+      plan_bf16_gemm(trans_a, trans_b, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batches, Aligned16(c));
+  const auto a16 = PackedCopy(a, plan.a);
+  const auto b16 = PackedCopy(b, plan.b);
+  std::unique_ptr<Scratch<float>> staging;
+  float* out = c;
+  if (plan.staged) {
+    staging = std::make_unique<Scratch<float>>(batches * plan.stride_c);
+    out = staging->get();
+    if (beta != 0.f) CopyStaged(c, ldc, stride_c, out, plan, m, n, batches, true);
+  }
+  const CublasApi& api = CheckedCublas();
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasStatus_t s;
+  if (batches == 1) {
+    s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k), &alpha,
+                    b16->get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols), a16->get(), CUDA_R_16BF,
+                    static_cast<int>(plan.a.pad_cols), &beta, out, CUDA_R_32F, static_cast<int>(plan.ldc),
+                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  } else {
+    s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k),
+                                    &alpha, b16->get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
+                                    plan.b.copy_stride(), a16->get(), CUDA_R_16BF,
+                                    static_cast<int>(plan.a.pad_cols), plan.a.copy_stride(), &beta, out, CUDA_R_32F,
+                                    static_cast<int>(plan.ldc), plan.stride_c, static_cast<int>(batches),
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }
+  if (s == CUBLAS_STATUS_SUCCESS && plan.staged) CopyStaged(c, ldc, stride_c, out, plan, m, n, batches, false);
+  return s;
 }
 
 }  // namespace
@@ -257,8 +299,7 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
                     CUDA_R_32F, static_cast<int>(ldb), a, CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F,
                     static_cast<int>(ldc), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
   } else {
-    s = GemmOnBf16Copies(h, trans_a, trans_b, m, n, k, alpha, OperandA(trans_a, m, k, a, lda, 0, 1),
-                         OperandB(trans_b, k, n, b, ldb, 0, 1), beta, c, ldc, 0, 1);
+    s = GemmOnBf16Copies(h, trans_a, trans_b, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
   }
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS GEMM (m=" << m << ", n=" << n << ", k=" << k << ", precision "
                                        << matmul_precision_name(precision) << "): " << CublasStatusName(s);
@@ -298,8 +339,8 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
                                     stride_c, static_cast<int>(batches), CUBLAS_COMPUTE_32F_FAST_TF32,
                                     CUBLAS_GEMM_DEFAULT);
   } else {
-    s = GemmOnBf16Copies(h, trans_a, trans_b, m, n, k, alpha, OperandA(trans_a, m, k, a, lda, stride_a, batches),
-                         OperandB(trans_b, k, n, b, ldb, stride_b, batches), beta, c, ldc, stride_c, batches);
+    s = GemmOnBf16Copies(h, trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc,
+                         stride_c, batches);
   }
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS strided batched GEMM (m=" << m << ", n=" << n << ", k=" << k
                                        << ", batches=" << batches << ", precision "
