@@ -186,6 +186,12 @@ __global__ void PackBf16Kernel(const float* __restrict__ src, __nv_bfloat16* __r
 
 bool Aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
+// Whether the padded sizes (Note [padded bf16 copies]) still fit cuBLAS's int arguments; sizes within 7 of
+// INT_MAX run as "high" instead.
+bool Bf16CopiesFit(std::int64_t m, std::int64_t n, std::int64_t k) {
+  return round_up_to_pad(std::max({m, n, k})) <= std::numeric_limits<int>::max();
+}
+
 // Stream-ordered scratch from the device's pool, freed on the calling thread's stream (after the work queued
 // before the free).
 template <typename T>
@@ -294,7 +300,7 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
   if (precision == MatmulPrecision::highest) {
     s = api.sgemm(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
                   static_cast<int>(ldb), a, static_cast<int>(lda), &beta, c, static_cast<int>(ldc));
-  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n)) {
+  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n) || !Bf16CopiesFit(m, n, k)) {
     s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
                     CUDA_R_32F, static_cast<int>(ldb), a, CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F,
                     static_cast<int>(ldc), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
@@ -332,7 +338,7 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
     s = api.sgemm_strided_batched(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
                                   &alpha, b, static_cast<int>(ldb), stride_b, a, static_cast<int>(lda), stride_a,
                                   &beta, c, static_cast<int>(ldc), stride_c, static_cast<int>(batches));
-  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n)) {
+  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n) || !Bf16CopiesFit(m, n, k)) {
     s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
                                     &alpha, b, CUDA_R_32F, static_cast<int>(ldb), stride_b, a, CUDA_R_32F,
                                     static_cast<int>(lda), stride_a, &beta, c, CUDA_R_32F, static_cast<int>(ldc),

@@ -279,19 +279,35 @@ TEST(CudaKernelsTest, MatmulAtReducedPrecisionMultipliesRoundedOperands) {
       EXPECT_EQ(cpu.to_vector(), exact.to_vector()) << "the CPU GEMM is always fp32";
       const Tensor gc = Tensor::empty({m, n}, OnGpu(DType::f32));
       matmul(ga, gb, gc);
-      ExpectRoundedProduct(narrow, ToCpu(gc, DType::f32).to_vector(), want.to_vector(), exact.to_vector());
-      // Accumulating (beta = 1): twice the product.
+      const std::vector<float> once = ToCpu(gc, DType::f32).to_vector();
+      ExpectRoundedProduct(narrow, once, want.to_vector(), exact.to_vector());
+      // Accumulating (beta = 1, C copied into the staging buffer first): what it added is the product. (Compared
+      // as a difference: for TF32 cuBLAS may pick another kind of kernel for the second call.)
       matmul(ga, gb, gc, false, false, 1.f);
-      auto twice = [](std::vector<float> v) {
-        for (float& x : v) x *= 2;
-        return v;
-      };
-      ExpectRoundedProduct(narrow, ToCpu(gc, DType::f32).to_vector(), twice(want.to_vector()),
-                           twice(exact.to_vector()));
+      std::vector<float> added = ToCpu(gc, DType::f32).to_vector();
+      for (std::size_t i = 0; i < added.size(); ++i) added[i] -= once[i];
+      ExpectRoundedProduct(narrow, added, want.to_vector(), exact.to_vector());
     }
   }
-  // Attention's product S_h = Q_h K_h^T, batched over `heads` heads of width hs inside qkv rows [t, 3c], hs apart.
-  const std::int64_t t = 520, hs = 24, heads = 2, c = heads * hs;
+  // The bf16 path with transposed operands (A stored k x m, B stored n x k).
+  for (const auto& [ta, tb] : {std::pair<bool, bool>{false, true}, {true, false}, {true, true}}) {
+    SCOPED_TRACE(::testing::Message() << "medium ta=" << ta << " tb=" << tb);
+    const std::int64_t m = 600, n = 523, k = 131;
+    const Tensor a = Tensor::uniform(ta ? Shape{k, m} : Shape{m, k}, gen, -1, 1);
+    const Tensor b = Tensor::uniform(tb ? Shape{n, k} : Shape{k, n}, gen, -1, 1);
+    Tensor exact = Tensor::zeros({m, n}), want = Tensor::zeros({m, n});
+    matmul(a, b, exact, ta, tb);
+    matmul(Rounded(a, DType::bf16), Rounded(b, DType::bf16), want, ta, tb);
+    RankContext ctx;
+    ctx.matmul_precision = MatmulPrecision::medium;
+    RankContextScope scope(ctx);
+    const Tensor gc = Tensor::empty({m, n}, OnGpu(DType::f32));
+    matmul(ToGpu(a), ToGpu(b), gc, ta, tb);
+    ExpectRoundedProduct(DType::bf16, ToCpu(gc, DType::f32).to_vector(), want.to_vector(), exact.to_vector());
+  }
+  // Attention's product S_h = Q_h K_h^T, batched over `heads` heads of width hs inside qkv rows [t, 3c], hs apart;
+  // t = 522: C's rows are not 16-byte aligned (staged, batch by batch).
+  const std::int64_t t = 522, hs = 24, heads = 2, c = heads * hs;
   const Tensor qkv = Tensor::uniform({t, 3 * c}, gen, -1, 1);
   const Tensor gqkv = ToGpu(qkv);
   auto heads_product = [&](const Tensor& x) {  // on the CPU
