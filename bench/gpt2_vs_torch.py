@@ -67,7 +67,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def torch_tokens_per_s(batch, steps, dtype, attention):
+def torch_tokens_per_s(batch, steps, dtype, attention, profile=False):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("medium" if dtype == "fp32-medium" else "highest")
@@ -93,6 +93,17 @@ def torch_tokens_per_s(batch, steps, dtype, attention):
         step()
         times.append(time.perf_counter() - t0)
     times.sort()
+    if profile:  # one more step under the profiler: PyTorch's kernels by device time, to compare with ncu's table
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        for key in ("device_time_total", "cuda_time_total"):  # the name changed across PyTorch versions
+            try:
+                print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=90))
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
     return batch * 1024 / times[len(times) // 2]
 
 
@@ -113,10 +124,11 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp32-medium"], default="fp32")
     p.add_argument("--attention", choices=["sdpa", "math"], default="sdpa")
+    p.add_argument("--profile", action="store_true", help="print PyTorch's kernels of one step by device time")
     a = p.parse_args()
     precision = "highest" if a.dtype == "fp32" else "medium"
     sk = shardkit_tokens_per_s(a.shardkit, a.batch, precision)
-    th = torch_tokens_per_s(a.batch, a.steps, a.dtype, a.attention)
+    th = torch_tokens_per_s(a.batch, a.steps, a.dtype, a.attention, a.profile)
     print(f"device: {torch.cuda.get_device_name()}  batch {a.batch} x 1024  torch {torch.__version__}")
     print(f"shardkit fp32, matmul {precision}: {sk['tokens_per_s']:.0f} tokens/s  (step {sk['step_tflops']:.1f} "
           f"TFLOP/s, GEMM limit {sk['gemm_tflops']:.1f}, frac_of_gemm {sk['frac_of_gemm']:.2f}; forward "

@@ -47,8 +47,10 @@ fi
 # autocast, the issue's goal line, and against PyTorch fp32 at matmul precision medium, the same GEMM semantics).
 for dtype in fp32 bf16 fp32-medium; do
   (( $(limit 150) > 0 )) || { echo "gpt2_vs_torch $dtype not run: out of time" >> "$out/summary.txt"; continue; }
+  profile=()
+  [[ $dtype == bf16 ]] && profile=(--profile)  # PyTorch's kernel table, beside ncu's of shardkit below
   timeout "$(limit 150)" python3 "$here/gpt2_vs_torch.py" --shardkit "$here/bin/model_bench_cuda" --dtype "$dtype" \
-    > "$out/gpt2_vs_torch_$dtype.txt" 2>&1
+    "${profile[@]}" > "$out/gpt2_vs_torch_$dtype.txt" 2>&1
   echo "gpt2_vs_torch $dtype exit $?: $(tail -1 "$out/gpt2_vs_torch_$dtype.txt")" >> "$out/summary.txt"
 done
 # Where the medium-precision step's device time goes, by kernel: Nsight Compute times 1500 consecutive kernels
