@@ -240,8 +240,9 @@ __global__ void CausalSoftmaxRowKernel(float* s, std::int64_t rows_total, std::i
   }
 }
 
+// At most 128 registers a thread, so two 256-thread blocks fit on an SM (k = 32 took 138 and one block without).
 template <int kPerLane>
-__global__ void CausalSoftmaxBackwardRowKernel(const float* p, float* dp, std::int64_t rows_total, std::int64_t t) {
+__global__ void __launch_bounds__(kThreads, 2) CausalSoftmaxBackwardRowKernel(const float* p, float* dp, std::int64_t rows_total, std::int64_t t) {
   const std::int64_t row = blockIdx.x * static_cast<std::int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows_total) return;
@@ -493,8 +494,9 @@ void layer_norm_backward(Device device, const float* x, const float* gy, const f
   if (gb != nullptr) ColumnSums(PlainTerm{gy}, gb, rows, c, /*accumulate=*/false);
 }
 
-// Runs `row_kernel<k>` for the smallest k in {4, 8, 16, 32} with 32 k >= t (Note [softmax rows in registers]), or
-// `streaming` for longer rows; each launch gets (blocks, args...).
+// Calls launch(std::integral_constant<int, k>) with the smallest k in {4, 8, 16, 32} such that 32 k >= t: the
+// register kernels' columns per lane (Note [softmax rows in registers]); k = 0 for longer rows (the streaming
+// kernels).
 template <typename Launch>
 void ByRowLength(std::int64_t t, Launch&& launch) {
   if (t <= 32 * 4) return launch(std::integral_constant<int, 4>{});

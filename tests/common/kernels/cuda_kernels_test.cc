@@ -329,5 +329,44 @@ TEST(CudaKernelsTest, MatmulAtReducedPrecisionMultipliesRoundedOperands) {
   }
 }
 
+// The causal softmax and its backward (attention's) against a double-precision CPU reference, at every row length
+// class of the device kernels: rows held in registers with 4, 8, 16 and 32 columns a lane, and the streaming
+// kernels past 1024 (Note [softmax rows in registers] in nn_ops.cu).
+TEST(CudaKernelsTest, CausalSoftmaxMatchesCpuForEveryRowLength) {
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
+  const std::int64_t matrices = 2;
+  for (const std::int64_t t : {1, 37, 128, 129, 300, 600, 1024, 1025}) {
+    SCOPED_TRACE(::testing::Message() << "t=" << t);
+    const std::int64_t n = matrices * t * t;
+    const std::vector<float> scores = RandomFloats(n, 5, -3.f, 3.f), dp = RandomFloats(n, 6, -1.f, 1.f);
+    std::vector<double> p(static_cast<std::size_t>(n)), ds(static_cast<std::size_t>(n));
+    for (std::int64_t r = 0; r < matrices * t; ++r) {  // row i of a matrix keeps columns 0..i
+      const std::int64_t i = r % t;
+      const std::size_t base = static_cast<std::size_t>(r * t);
+      double mx = -INFINITY, sum = 0, dot = 0;
+      for (std::int64_t j = 0; j <= i; ++j) mx = std::max(mx, static_cast<double>(scores[base + j]));
+      for (std::int64_t j = 0; j <= i; ++j) sum += std::exp(scores[base + j] - mx);
+      for (std::int64_t j = 0; j <= i; ++j) {
+        p[base + j] = std::exp(scores[base + j] - mx) / sum;
+        dot += p[base + j] * dp[base + j];
+      }
+      for (std::int64_t j = 0; j <= i; ++j) ds[base + j] = p[base + j] * (dp[base + j] - dot);
+    }
+    const Tensor gs = ToGpu(Tensor::from_vector(scores, {n}));
+    cuda::causal_softmax(kGpu, gs.data<float>(), matrices, t);
+    const Tensor gd = ToGpu(Tensor::from_vector(dp, {n}));
+    cuda::causal_softmax_backward(kGpu, gs.data<float>(), gd.data<float>(), matrices, t);
+    const std::vector<float> got_p = ToCpu(gs, DType::f32).to_vector(), got_ds = ToCpu(gd, DType::f32).to_vector();
+    for (std::size_t e = 0; e < got_p.size(); ++e) {
+      ASSERT_NEAR(got_p[e], p[e], 1e-6 + 1e-5 * p[e]) << "P element " << e;
+      ASSERT_NEAR(got_ds[e], ds[e], 1e-6 + 1e-4 * std::abs(ds[e])) << "dS element " << e;
+      if (p[e] == 0) {  // above the diagonal: exactly zero
+        ASSERT_EQ(got_p[e], 0.f) << e;
+        ASSERT_EQ(got_ds[e], 0.f) << e;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shardkit::kernels
