@@ -36,7 +36,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <memory>
+#include <optional>
 #include <string>
 
 #include "common/kernels/cuda/bf16_gemm_plan.h"
@@ -209,16 +209,16 @@ class Scratch {
   T* p_ = nullptr;
 };
 
-// The packed bf16 copy `s` of src (Note [bf16 operand copies]).
-std::unique_ptr<Scratch<__nv_bfloat16>> PackedCopy(const float* src, const PackShape& s) {
-  auto copy = std::make_unique<Scratch<__nv_bfloat16>>(s.numel());
-  const bool vector_loads = Aligned16(src) && s.ld % 4 == 0 && (s.batches == 1 || s.stride % 4 == 0);
-  const std::int64_t blocks = std::min<std::int64_t>((s.groups() + kThreads - 1) / kThreads, 4096);
-  PackBf16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, cudaStreamPerThread>>>(src, copy->get(), s,
-                                                                                       vector_loads);
-  CheckLaunch("cuda::gemm bf16 operand copy");
-  return copy;
-}
+// The packed bf16 copy `s` of src (Note [bf16 operand copies]), in scratch of its own.
+class PackedCopy : public Scratch<__nv_bfloat16> {
+ public:
+  PackedCopy(const float* src, const PackShape& s) : Scratch(s.numel()) {
+    const bool vector_loads = Aligned16(src) && s.ld % 4 == 0 && (s.batches == 1 || s.stride % 4 == 0);
+    const std::int64_t blocks = std::min<std::int64_t>((s.groups() + kThreads - 1) / kThreads, 4096);
+    PackBf16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, cudaStreamPerThread>>>(src, get(), s, vector_loads);
+    CheckLaunch("cuda::gemm bf16 operand copy");
+  }
+};
 
 // Copies `batches` matrices of m rows of n floats between C (leading dimension ldc, stride_c apart) and the
 // staging buffer (plan.ldc, plan.stride_c), in the direction `to_staging`.
@@ -244,13 +244,11 @@ cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, st
                                 std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
   const Bf16GemmPlan plan =
       plan_bf16_gemm(trans_a, trans_b, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batches, Aligned16(c));
-  const auto a16 = PackedCopy(a, plan.a);
-  const auto b16 = PackedCopy(b, plan.b);
-  std::unique_ptr<Scratch<float>> staging;
+  const PackedCopy a16(a, plan.a), b16(b, plan.b);
+  std::optional<Scratch<float>> staging;
   float* out = c;
   if (plan.staged) {
-    staging = std::make_unique<Scratch<float>>(batches * plan.stride_c);
-    out = staging->get();
+    out = staging.emplace(batches * plan.stride_c).get();
     if (beta != 0.f) CopyStaged(c, ldc, stride_c, out, plan, m, n, batches, true);
   }
   const CublasApi& api = CheckedCublas();
@@ -258,13 +256,13 @@ cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, st
   cublasStatus_t s;
   if (batches == 1) {
     s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k), &alpha,
-                    b16->get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols), a16->get(), CUDA_R_16BF,
+                    b16.get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols), a16.get(), CUDA_R_16BF,
                     static_cast<int>(plan.a.pad_cols), &beta, out, CUDA_R_32F, static_cast<int>(plan.ldc),
                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   } else {
     s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k),
-                                    &alpha, b16->get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
-                                    plan.b.copy_stride(), a16->get(), CUDA_R_16BF,
+                                    &alpha, b16.get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
+                                    plan.b.copy_stride(), a16.get(), CUDA_R_16BF,
                                     static_cast<int>(plan.a.pad_cols), plan.a.copy_stride(), &beta, out, CUDA_R_32F,
                                     static_cast<int>(plan.ldc), plan.stride_c, static_cast<int>(batches),
                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);

@@ -1,10 +1,8 @@
 // The CUDA kernels against the CPU kernels (themselves checked against double references in the other
 // test files). Every test skips, with the reason, when no CUDA device is usable at run time.
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 #include <cmath>
-#include <iostream>
 #include <utility>
 #include <vector>
 

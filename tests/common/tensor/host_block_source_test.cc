@@ -81,12 +81,6 @@ TEST(HostBlockSourceTest, TheLastReferenceMayGoOnAnotherThreadAndScopesNest) {
   EXPECT_EQ(outer->freed, 1);
 }
 
-}  // namespace
-}  // namespace shardkit
-
-namespace shardkit {
-namespace {
-
 // PinnedHostSource (pinned_host_source.h): host bytes a Storage reads and writes like any others, page-locked
 // exactly when the program can pin memory (a CUDA device is usable: shardkit::cuda with a GPU, or the CUDA
 // emulator), the heap's otherwise; given back to the source when released; charged to the host ledger.
