@@ -87,6 +87,30 @@ Tensor AttentionOnDevice(const Tensor& qkv, std::int64_t b_n, std::int64_t t, st
   return out;
 }
 
+// At matmul precision medium, on a device that runs it, one fused kernel each way (Note [flash attention] in
+// common/kernels/cuda/flash_attention.cu): its products take bf16 operands with fp32 accumulation, as medium's GEMMs
+// do, and no [B, H, T, T] matrix is ever in memory. Saves the result and each row's log-sum-exp for the backward.
+Tensor FlashAttentionOnDevice(const Tensor& qkv, std::int64_t b_n, std::int64_t t, std::int64_t c,
+                              std::int64_t num_heads, std::int64_t hs, float scale) {
+  namespace kc = kernels::cuda;
+  const Device device = qkv.device();
+  Tensor out = detail::new_activation({b_n, t, c}, DType::f32, device);
+  Tensor lse = detail::new_activation({b_n, num_heads, t}, DType::f32, device);
+  kc::flash_attention(device, qkv.data<float>(), out.data<float>(), lse.data<float>(), b_n, t, num_heads, hs, scale);
+  if (should_record({&qkv})) {
+    detail::record("CausalAttentionBackward", {&qkv}, {&out},
+                   [qkv, y = out.detach(), lse, b_n, t, num_heads, hs, scale](TensorList&& g) -> TensorList {
+                     const Device device = qkv.device();
+                     Tensor gqkv = detail::new_activation(qkv.shape(), DType::f32, device);
+                     kc::flash_attention_backward(device, qkv.data<float>(), y.data<float>(), g[0].data<float>(),
+                                                  lse.data<float>(), gqkv.data<float>(), b_n, t, num_heads, hs,
+                                                  scale);
+                     return {gqkv};
+                   });
+  }
+  return out;
+}
+
 }  // namespace
 
 Tensor causal_attention_compute(const Tensor& qkv, std::int64_t num_heads) {
@@ -98,7 +122,13 @@ Tensor causal_attention_compute(const Tensor& qkv, std::int64_t num_heads) {
                                                 << num_heads << " heads";
   const std::int64_t hs = c / num_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(hs));
-  if (qkv.device().is_cuda()) return AttentionOnDevice(qkv, b_n, t, c, num_heads, hs, scale);
+  if (qkv.device().is_cuda()) {
+    if (current_rank_context().matmul_precision == MatmulPrecision::medium &&
+        kernels::cuda::flash_attention_supported(qkv.device(), hs)) {
+      return FlashAttentionOnDevice(qkv, b_n, t, c, num_heads, hs, scale);
+    }
+    return AttentionOnDevice(qkv, b_n, t, c, num_heads, hs, scale);
+  }
   Tensor out = detail::new_activation({b_n, t, c});
   Tensor att = detail::new_activation({b_n, num_heads, t, t});
   const float* in = qkv.data<float>();

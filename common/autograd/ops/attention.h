@@ -4,7 +4,10 @@
 // head h at columns [h*hs, (h+1)*hs) of each third). The result [B, T, C] is, per head, softmax(q k^T /
 // sqrt(hs) with future positions masked) v, heads concatenated. Implemented as 2 GEMMs per (batch,
 // head) in forward and 4 in backward, reading q, k and v in place through leading dimensions (no
-// transposes, no copies); saves the attention probabilities [B, H, T, T] for backward.
+// transposes, no copies); saves the attention probabilities [B, H, T, T] for backward. On a CUDA device
+// at MatmulPrecision::medium (sm_80 or newer) it is one fused kernel each way instead, bf16 products
+// with fp32 softmax, saving the result and each row's log-sum-exp (Note [flash attention] in
+// common/kernels/cuda/flash_attention.cu).
 #pragma once
 
 #include <cstdint>

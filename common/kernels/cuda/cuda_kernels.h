@@ -82,6 +82,17 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
                           std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
                           const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
                           std::int64_t ldc, std::int64_t stride_c, std::int64_t batches, MatmulPrecision precision);
+// Fused causal attention on bf16 tensor cores (Note [flash attention] in flash_attention.cu): qkv [B, T, 3C] as
+// causal_attention takes it (C = heads * hs), y [B, T, C] the result, lse [B, heads, T] each row's log-sum-exp of
+// its scaled scores (saved for the backward). Only where flash_attention_supported(device, hs) (sm_80 or newer and
+// code built for it; 1 <= hs <= 128).
+bool flash_attention_supported(Device device, std::int64_t hs);
+void flash_attention(Device device, const float* qkv, float* y, float* lse, std::int64_t b_n, std::int64_t t,
+                     std::int64_t heads, std::int64_t hs, float scale);
+// Writes every element of dqkv [B, T, 3C] from the forward's qkv, y and lse and the gradient dy [B, T, C].
+void flash_attention_backward(Device device, const float* qkv, const float* y, const float* dy, const float* lse,
+                              float* dqkv, std::int64_t b_n, std::int64_t t, std::int64_t heads, std::int64_t hs,
+                              float scale);
 // Mean cross-entropy of logits [rows, v] against i64 targets (rows equal to ignore_index left out): writes each
 // kept row's log-sum-exp to lse (0 for an ignored row), the loss to loss[0] and the number of kept rows to
 // count[0]. Synchronous; returns the first row whose target is outside [0, v), or -1.
@@ -127,6 +138,9 @@ struct CudaKernelOps {
   decltype(&cuda::causal_softmax) causal_softmax;
   decltype(&cuda::causal_softmax_backward) causal_softmax_backward;
   decltype(&cuda::gemm_strided_batched) gemm_strided_batched;
+  decltype(&cuda::flash_attention_supported) flash_attention_supported;
+  decltype(&cuda::flash_attention) flash_attention;
+  decltype(&cuda::flash_attention_backward) flash_attention_backward;
   decltype(&cuda::cross_entropy) cross_entropy;
   decltype(&cuda::cross_entropy_backward) cross_entropy_backward;
   decltype(&cuda::embedding) embedding;
@@ -137,7 +151,7 @@ struct CudaKernelOps {
 // Called once by shardkit::cuda's static initialiser; `ops` must outlive the program (a constant).
 void register_cuda_kernels(const CudaKernelOps* ops);
 
-// The CUDA implementation, defined in elementwise.cu, gemm.cu, nn_ops.cu and reduce.cu (part of shardkit::cuda only;
+// The CUDA implementation, defined in elementwise.cu, flash_attention.cu, gemm.cu, nn_ops.cu and reduce.cu (part of shardkit::cuda only;
 // nothing in the CPU libraries refers to these).
 namespace cuda_impl {
 decltype(cuda::gemm) gemm;
@@ -163,6 +177,9 @@ decltype(cuda::layer_norm_backward) layer_norm_backward;
 decltype(cuda::causal_softmax) causal_softmax;
 decltype(cuda::causal_softmax_backward) causal_softmax_backward;
 decltype(cuda::gemm_strided_batched) gemm_strided_batched;
+decltype(cuda::flash_attention_supported) flash_attention_supported;
+decltype(cuda::flash_attention) flash_attention;
+decltype(cuda::flash_attention_backward) flash_attention_backward;
 decltype(cuda::cross_entropy) cross_entropy;
 decltype(cuda::cross_entropy_backward) cross_entropy_backward;
 decltype(cuda::embedding) embedding;

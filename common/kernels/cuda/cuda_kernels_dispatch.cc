@@ -102,6 +102,20 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
       .gemm_strided_batched(device, trans_a, trans_b, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c,
                             ldc, stride_c, batches, precision);
 }
+bool flash_attention_supported(Device device, std::int64_t hs) {
+  const CudaKernelOps* ops = g_cuda_kernels.get();
+  return ops != nullptr && ops->flash_attention_supported(device, hs);
+}
+void flash_attention(Device device, const float* qkv, float* y, float* lse, std::int64_t b_n, std::int64_t t,
+                     std::int64_t heads, std::int64_t hs, float scale) {
+  Ops("cuda::flash_attention").flash_attention(device, qkv, y, lse, b_n, t, heads, hs, scale);
+}
+void flash_attention_backward(Device device, const float* qkv, const float* y, const float* dy, const float* lse,
+                              float* dqkv, std::int64_t b_n, std::int64_t t, std::int64_t heads, std::int64_t hs,
+                              float scale) {
+  Ops("cuda::flash_attention_backward")
+      .flash_attention_backward(device, qkv, y, dy, lse, dqkv, b_n, t, heads, hs, scale);
+}
 std::int64_t cross_entropy(Device device, const float* logits, const std::int64_t* targets, float* lse, float* loss,
                            float* count, std::int64_t rows, std::int64_t v, std::int64_t ignore_index) {
   return Ops("cuda::cross_entropy").cross_entropy(device, logits, targets, lse, loss, count, rows, v, ignore_index);

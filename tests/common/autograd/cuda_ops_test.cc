@@ -10,6 +10,7 @@
 
 #include "common/autograd/engine.h"
 #include "common/autograd/ops.h"
+#include "common/kernels/cuda/cuda_kernels.h"
 #include "common/nn/nn.h"
 #include "common/optim/adam.h"
 #include "common/optim/clip_grad.h"
@@ -149,6 +150,49 @@ TEST(CudaOpsTest, CausalAttention) {
   // T = 37: rows longer than a warp; 4 heads of 8.
   ExpectSameOnDevice({Uniform({2, 37, 96}, 22)}, [](const TensorList& t) { return causal_attention(t[0], 4); },
                      kTol);
+}
+
+// Matmul precision medium on a device that runs it: attention is one fused kernel each way (Note [flash attention]
+// in common/kernels/cuda/flash_attention.cu), bf16 products with fp32 softmax and sums, so the op follows the fp32
+// CPU op to bf16 accuracy. Row counts on both sides of the 64-row blocks, and head sizes for each tile width (16,
+// 32, 64, 128) with and without padding columns.
+TEST(CudaOpsTest, FusedAttentionAtMediumPrecisionMatchesTheCpu) {
+  SK_REQUIRE_CUDA_DEVICE("fused attention on a GPU");
+  if (!kernels::cuda::flash_attention_supported(kGpu, 64)) GTEST_SKIP() << "the fused attention needs sm_80 or newer";
+  RankContext ctx;
+  ctx.matmul_precision = MatmulPrecision::medium;
+  RankContextScope scope(ctx);
+  struct Case {
+    std::int64_t b, t, heads, hs;
+  };
+  std::uint64_t seed = 60;
+  for (const Case k : {Case{2, 1, 2, 64}, {1, 63, 3, 64}, {2, 64, 2, 64}, {1, 65, 2, 64}, {2, 130, 2, 16},
+                       {1, 200, 2, 32}, {1, 129, 1, 128}, {2, 37, 4, 8}, {1, 70, 2, 48}, {1, 300, 2, 100}}) {
+    SCOPED_TRACE(::testing::Message() << "B " << k.b << " T " << k.t << " heads " << k.heads << " hs " << k.hs);
+    ExpectSameOnDevice({Uniform({k.b, k.t, 3 * k.heads * k.hs}, seed++)},
+                       [h = k.heads](const TensorList& t) { return causal_attention(t[0], h); }, 2e-2);
+  }
+}
+
+// The fused path holds no [B, H, T, T] matrix: the forward's device activations stay under one, where the
+// materialised path (matmul precision highest) holds it.
+TEST(CudaOpsTest, FusedAttentionHoldsNoScoreMatrix) {
+  SK_REQUIRE_CUDA_DEVICE("fused attention on a GPU");
+  if (!kernels::cuda::flash_attention_supported(kGpu, 64)) GTEST_SKIP() << "the fused attention needs sm_80 or newer";
+  constexpr std::int64_t kB = 1, kT = 256, kHeads = 2, kHs = 64;
+  const Tensor qkv = Uniform({kB, kT, 3 * kHeads * kHs}, 70).to(kGpu);
+  auto forward_peak = [&](MatmulPrecision precision) {
+    Tensor x = qkv.clone();  // charged outside the measured ledger
+    x.set_requires_grad(true);
+    RankContext ctx;
+    ctx.matmul_precision = precision;
+    RankContextScope scope(ctx);
+    const Tensor y = causal_attention(x, kHeads);
+    return ctx.memory->snapshot().at(MemoryLocation::device).peak_of(MemoryCategory::activation);
+  };
+  const std::int64_t scores = kB * kHeads * kT * kT * 4;
+  EXPECT_GE(forward_peak(MatmulPrecision::highest), scores);
+  EXPECT_LT(forward_peak(MatmulPrecision::medium), scores);
 }
 
 TEST(CudaOpsTest, CrossEntropyWithIgnoredRows) {

@@ -25,6 +25,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -509,6 +510,73 @@ void CausalSoftmaxBackward(Device d, const float* p, float* dp, std::int64_t mat
   }
 }
 
+// The fused attention (flash_attention.cu) computed plainly, with the kernels' roundings: Q, K, V, dY, P and dS
+// to bf16 before each product, fp32 everywhere else.
+float B16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+bool FlashSupported(Device d, std::int64_t hs) { Guard(d); return hs >= 1 && hs <= 128; }
+void FlashAttention(Device d, const float* qkv, float* y, float* lse, std::int64_t b_n, std::int64_t t,
+                    std::int64_t heads, std::int64_t hs, float scale) {
+  if (b_n * t * heads == 0) return;
+  Guard(d); Open o; Grid((t + 63) / 64, b_n * heads, "flash_attention");
+  const std::int64_t c = heads * hs;
+  Dev(qkv, b_n * t * 3 * c * 4, "flash qkv"); Dev(y, b_n * t * c * 4, "flash y"); Dev(lse, b_n * heads * t * 4, "flash lse");
+  std::vector<float> p(static_cast<std::size_t>(t));
+  for (std::int64_t b = 0; b < b_n; ++b)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < t; ++i) {
+        const float* q = qkv + (b * t + i) * 3 * c + h * hs;
+        float m = -INFINITY;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          const float* k = qkv + (b * t + j) * 3 * c + c + h * hs;
+          float dot = 0.f;
+          for (std::int64_t e = 0; e < hs; ++e) dot += B16(q[e]) * B16(k[e]);
+          p[j] = dot * scale;
+          m = std::max(m, p[j]);
+        }
+        float l = 0.f;
+        for (std::int64_t j = 0; j <= i; ++j) { p[j] = std::exp(p[j] - m); l += p[j]; }
+        float* yr = y + (b * t + i) * c + h * hs;
+        for (std::int64_t e = 0; e < hs; ++e) {
+          float acc = 0.f;
+          for (std::int64_t j = 0; j <= i; ++j) acc += B16(p[j]) * B16(qkv[(b * t + j) * 3 * c + 2 * c + h * hs + e]);
+          yr[e] = acc / l;
+        }
+        lse[(b * heads + h) * t + i] = m + std::log(l);
+      }
+}
+void FlashAttentionBackward(Device d, const float* qkv, const float* y, const float* dy, const float* lse, float* dqkv,
+                            std::int64_t b_n, std::int64_t t, std::int64_t heads, std::int64_t hs, float scale) {
+  if (b_n * t * heads == 0) return;
+  Guard(d); Open o; Grid((t + 63) / 64, b_n * heads, "flash_attention_backward");
+  const std::int64_t c = heads * hs;
+  Dev(qkv, b_n * t * 3 * c * 4, "flash_b qkv"); Dev(y, b_n * t * c * 4, "flash_b y");
+  Dev(dy, b_n * t * c * 4, "flash_b dy"); Dev(lse, b_n * heads * t * 4, "flash_b lse");
+  Dev(dqkv, b_n * t * 3 * c * 4, "flash_b dqkv");
+  std::fill(dqkv, dqkv + b_n * t * 3 * c, 0.f);
+  for (std::int64_t b = 0; b < b_n; ++b)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < t; ++i) {
+        const std::int64_t yi = (b * t + i) * c + h * hs, qi = (b * t + i) * 3 * c + h * hs;
+        float delta = 0.f;
+        for (std::int64_t e = 0; e < hs; ++e) delta += dy[yi + e] * y[yi + e];
+        for (std::int64_t j = 0; j <= i; ++j) {
+          const std::int64_t kj = (b * t + j) * 3 * c + c + h * hs, vj = kj + c;
+          float s = 0.f, dp = 0.f;
+          for (std::int64_t e = 0; e < hs; ++e) {
+            s += B16(qkv[qi + e]) * B16(qkv[kj + e]);
+            dp += B16(dy[yi + e]) * B16(qkv[vj + e]);
+          }
+          const float pr = std::exp(s * scale - lse[(b * heads + h) * t + i]);
+          const float ds = B16(pr * (dp - delta));
+          for (std::int64_t e = 0; e < hs; ++e) {
+            dqkv[vj + e] += B16(pr) * B16(dy[yi + e]);
+            dqkv[kj + e] += scale * ds * B16(qkv[qi + e]);
+            dqkv[qi + e] += scale * ds * B16(qkv[kj + e]);
+          }
+        }
+      }
+}
+
 std::int64_t CrossEntropy(Device d, const float* x, const std::int64_t* targets, float* lse, float* loss, float* count,
                           std::int64_t rows, std::int64_t v, std::int64_t ignore_index) {
   Guard(d); Open o;
@@ -654,7 +722,9 @@ constexpr kernels::cuda::CudaKernelOps kKernels{
     .gelu_backward = &Defer<&GeluBackward>::run, .layer_norm = &Defer<&LayerNorm>::run,
     .layer_norm_backward = &Defer<&LayerNormBackward>::run,
     .causal_softmax = &Defer<&CausalSoftmax>::run, .causal_softmax_backward = &Defer<&CausalSoftmaxBackward>::run,
-    .gemm_strided_batched = &Defer<&GemmStridedBatched>::run, .cross_entropy = &Synced<&CrossEntropy>::run,
+    .gemm_strided_batched = &Defer<&GemmStridedBatched>::run, .flash_attention_supported = &FlashSupported,
+    .flash_attention = &Defer<&FlashAttention>::run, .flash_attention_backward = &Defer<&FlashAttentionBackward>::run,
+    .cross_entropy = &Synced<&CrossEntropy>::run,
     .cross_entropy_backward = &Defer<&CrossEntropyBackward>::run, .embedding = &Synced<&Embedding>::run,
     .embedding_backward = &Defer<&EmbeddingBackward>::run, .copy_2d = &Defer<&Copy2d>::run};
 constexpr optim::cuda::CudaOptimOps kOptim{.adam_step = &AdamDeferred, .sgd_step = &SgdDeferred};
