@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the pack tools/gpu/pack.sh made: the CUDA tests (every test whose name says
-# Cuda / Nccl / DeviceOnly; without a GPU they skip, here they must pass), optim_bench_cuda, and bench/gpt2_vs_torch.py (GPT-2
-# small against PyTorch eager), then Nsight Compute's per-kernel times of one medium-precision step. Results go to
-# $OUT (the device tool brings them back): summary.txt with each exit status, and results.tar.gz with one file per
-# binary, the kernel times and the machine's description.
+# Cuda / Nccl / DeviceOnly; without a GPU they skip, here they must pass), optim_bench_cuda, model_bench_cuda at
+# medium with the fused and the materialised attention, bench/gpt2_vs_torch.py (GPT-2 small against PyTorch eager),
+# then Nsight Compute's per-kernel times of one medium-precision step. Results go to $OUT (the device tool brings
+# them back): summary.txt with each exit status, and results.tar.gz with one file per binary, the kernel times and
+# the machine's description.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/gpu-out}
@@ -42,6 +43,15 @@ if (( $(limit 120) > 0 )); then
   echo "optim_bench_cuda exit $?" >> "$out/summary.txt"
 else
   echo "optim_bench_cuda not run: out of time" >> "$out/summary.txt"
+fi
+# The fused attention (Note [flash attention]) against the materialised one, both at matmul precision medium.
+if (( $(limit 120) > 0 )); then
+  timeout "$(limit 120)" "$here/bin/model_bench_cuda" --benchmark_filter='gpt2-small/medium' \
+    > "$out/model_bench_cuda_medium.txt" 2>&1
+  echo "model_bench_cuda medium, fused / materialised attention exit $?: $(grep -oE 'tokens_per_s=[0-9.]+k?' \
+    "$out/model_bench_cuda_medium.txt" | tr '\n' ' ')" >> "$out/summary.txt"
+else
+  echo "model_bench_cuda medium not run: out of time" >> "$out/summary.txt"
 fi
 # GPT-2 small step against PyTorch eager (fp32 both; shardkit at matmul precision medium against PyTorch under bf16
 # autocast, the issue's goal line, and against PyTorch fp32 at matmul precision medium, the same GEMM semantics).

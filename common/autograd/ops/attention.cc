@@ -123,7 +123,8 @@ Tensor causal_attention_compute(const Tensor& qkv, std::int64_t num_heads) {
   const std::int64_t hs = c / num_heads;
   const float scale = 1.f / std::sqrt(static_cast<float>(hs));
   if (qkv.device().is_cuda()) {
-    if (current_rank_context().matmul_precision == MatmulPrecision::medium &&
+    const RankContext& ctx = current_rank_context();
+    if (ctx.matmul_precision == MatmulPrecision::medium && ctx.fused_attention &&
         kernels::cuda::flash_attention_supported(qkv.device(), hs)) {
       return FlashAttentionOnDevice(qkv, b_n, t, c, num_heads, hs, scale);
     }

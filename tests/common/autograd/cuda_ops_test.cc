@@ -175,23 +175,25 @@ TEST(CudaOpsTest, FusedAttentionAtMediumPrecisionMatchesTheCpu) {
 }
 
 // The fused path holds no [B, H, T, T] matrix: the forward's device activations stay under one, where the
-// materialised path (matmul precision highest) holds it.
+// materialised path (matmul precision highest, or medium with RankContext::fused_attention off) holds it.
 TEST(CudaOpsTest, FusedAttentionHoldsNoScoreMatrix) {
   SK_REQUIRE_CUDA_DEVICE("fused attention on a GPU");
   if (!kernels::cuda::flash_attention_supported(kGpu, 64)) GTEST_SKIP() << "the fused attention needs sm_80 or newer";
   constexpr std::int64_t kB = 1, kT = 256, kHeads = 2, kHs = 64;
   const Tensor qkv = Uniform({kB, kT, 3 * kHeads * kHs}, 70).to(kGpu);
-  auto forward_peak = [&](MatmulPrecision precision) {
+  auto forward_peak = [&](MatmulPrecision precision, bool fused = true) {
     Tensor x = qkv.clone();  // charged outside the measured ledger
     x.set_requires_grad(true);
     RankContext ctx;
     ctx.matmul_precision = precision;
+    ctx.fused_attention = fused;
     RankContextScope scope(ctx);
     const Tensor y = causal_attention(x, kHeads);
     return ctx.memory->snapshot().at(MemoryLocation::device).peak_of(MemoryCategory::activation);
   };
   const std::int64_t scores = kB * kHeads * kT * kT * 4;
   EXPECT_GE(forward_peak(MatmulPrecision::highest), scores);
+  EXPECT_GE(forward_peak(MatmulPrecision::medium, false), scores);
   EXPECT_LT(forward_peak(MatmulPrecision::medium), scores);
 }
 
