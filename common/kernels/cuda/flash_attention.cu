@@ -24,6 +24,9 @@
 // - WMMA's bf16 fragments need sm_80 or newer. The kernels are compiled for the build's architectures; where the
 //   code for a device is older than sm_80 (its PTX version, cudaFuncGetAttributes), flash_attention_supported says
 //   no and the op keeps the materialised path. The bodies trap if ever run from such code.
+// - Without a GPU, `sh tools/cuda_sim/run.sh` runs these kernels' source on the CPU (a block's threads one at a
+//   time, switching at barriers, in four orders) against fp64 attention: it checks indexing, masking, padding and
+//   barriers, not speed or the hardware's own rounding.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -67,10 +70,8 @@ struct Layout {
   static constexpr std::size_t kRowBytes = sizeof(float) * kBlock;
   // Q, K, V; S; P; O.
   static constexpr std::size_t kForward = 3 * kHeadBytes + kScoreBytes + kProbBytes + kOutBytes;
-  // K, V, Q, dY; S^T, dP^T; P^T, dS^T; lse, delta of the query block.
-  static constexpr std::size_t kBackwardKeys = 4 * kHeadBytes + 2 * kScoreBytes + 2 * kProbBytes + 2 * kRowBytes;
-  // Q, dY, K, V; S, dP; dS.
-  static constexpr std::size_t kBackwardQueries = 4 * kHeadBytes + 2 * kScoreBytes + kProbBytes;
+  // Both backward kernels (BackwardShared): four tiles; S, dP; P, dS; lse and delta of the walked block.
+  static constexpr std::size_t kBackward = 4 * kHeadBytes + 2 * kScoreBytes + 2 * kProbBytes + 2 * kRowBytes;
   // Every piece is a multiple of 128 bytes, so each starts 128-byte aligned (WMMA needs 32).
   static_assert(kHeadBytes % 128 == 0 && kScoreBytes % 128 == 0 && kProbBytes % 128 == 0 && kOutBytes % 128 == 0 &&
                 kRowBytes % 128 == 0);
@@ -89,6 +90,31 @@ class SharedCarve {
 
  private:
   unsigned char* at_;
+};
+
+// A backward kernel's shared memory: the two tiles of the block's own 64 rows (the keys' K and V, or the queries'
+// Q and dY), the two of the block of rows it walks, and the calling warp's S, dP (f32) and P, dS (bf16) buffers;
+// lse and delta of the walked rows (the keys kernel's; the queries kernel keeps its rows' in registers).
+template <int HS>
+struct BackwardShared {
+  bf16 *own_a, *own_b, *walk_a, *walk_b;
+  float *s, *dp;
+  bf16 *p, *ds;
+  float *lse, *delta;
+  __device__ BackwardShared(unsigned char* base, int warp) {
+    using L = Layout<HS>;
+    SharedCarve carve(base);
+    own_a = carve.take<bf16>(L::kHeadBytes);
+    own_b = carve.take<bf16>(L::kHeadBytes);
+    walk_a = carve.take<bf16>(L::kHeadBytes);
+    walk_b = carve.take<bf16>(L::kHeadBytes);
+    s = carve.take<float>(L::kScoreBytes) + warp * kWarpRows * L::kScore;
+    dp = carve.take<float>(L::kScoreBytes) + warp * kWarpRows * L::kScore;
+    p = carve.take<bf16>(L::kProbBytes) + warp * kWarpRows * L::kProb;
+    ds = carve.take<bf16>(L::kProbBytes) + warp * kWarpRows * L::kProb;
+    lse = carve.take<float>(L::kRowBytes);
+    delta = carve.take<float>(L::kRowBytes);
+  }
 };
 
 // Where one (batch, head) lives: rows of qkv [B, T, 3C] (q, k, v at column offsets 0, C, 2C of the head's columns)
@@ -113,6 +139,15 @@ struct HeadView {
     v = q + 2 * c;
   }
 };
+
+// The j-th column a lane visits of N (a power of two) in the per-row loops: each lane starts at its own column, so
+// the lanes of a warp, two to a row of a buffer whose rows are 4 banks apart, hit different banks (in order, the
+// lanes of a row pair and rows r and r + 8 would share one: 4-way conflicts).
+template <int N>
+__device__ int Rotated(int j, int lane) {
+  static_assert((N & (N - 1)) == 0);
+  return (j + lane) & (N - 1);
+}
 
 // Rows [row0, row0 + 64) of `src` (rows `ld` floats apart, the head's columns from 0) as bf16 into dst [64][HS]
 // (leading dimension Layout<HS>::kHead); rows >= t and columns >= hs as zeros. The whole block takes part.
@@ -214,9 +249,10 @@ __global__ void __launch_bounds__(kFlashThreads)
     float* srow = sw + row * L::kScore + half * 32;
     float block_max = -INFINITY;
     for (int j = 0; j < 32; ++j) {
-      const int kj = k0 + half * 32 + j;
-      const float s = (kj > qi || kj >= t) ? -INFINITY : srow[j] * scale;
-      srow[j] = s;
+      const int c = Rotated<32>(j, lane);
+      const int kj = k0 + half * 32 + c;
+      const float s = (kj > qi || kj >= t) ? -INFINITY : srow[c] * scale;
+      srow[c] = s;
       block_max = fmaxf(block_max, s);
     }
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
@@ -225,15 +261,16 @@ __global__ void __launch_bounds__(kFlashThreads)
     bf16* prow = pw + row * L::kProb + half * 32;
     float sum = 0.f;
     for (int j = 0; j < 32; ++j) {
-      const float p = srow[j] == -INFINITY ? 0.f : __expf(srow[j] - m_new);
-      prow[j] = __float2bfloat16_rn(p);
+      const int c = Rotated<32>(j, lane);
+      const float p = srow[c] == -INFINITY ? 0.f : __expf(srow[c] - m_new);
+      prow[c] = __float2bfloat16_rn(p);
       sum += p;
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     l = alpha * l + sum;
     m = m_new;
     float* orow = ow + row * L::kOut + half * (HS / 2);
-    for (int j = 0; j < HS / 2; ++j) orow[j] *= alpha;
+    for (int j = 0; j < HS / 2; ++j) orow[Rotated<HS / 2>(j, lane)] *= alpha;
     __syncwarp();
     AccFrag acc[HS / kTile];
     for (int j = 0; j < HS / kTile; ++j) wmma::load_matrix_sync(acc[j], ow + j * kTile, L::kOut, wmma::mem_row_major);
@@ -280,18 +317,11 @@ __global__ void __launch_bounds__(kFlashThreads)
 #else
   using L = Layout<HS>;
   extern __shared__ __align__(128) unsigned char smem[];
-  SharedCarve carve(smem);
-  bf16* ks = carve.take<bf16>(L::kHeadBytes);
-  bf16* vs = carve.take<bf16>(L::kHeadBytes);
-  bf16* qs = carve.take<bf16>(L::kHeadBytes);
-  bf16* dys = carve.take<bf16>(L::kHeadBytes);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* st = carve.take<float>(L::kScoreBytes) + warp * kWarpRows * L::kScore;
-  float* dpt = carve.take<float>(L::kScoreBytes) + warp * kWarpRows * L::kScore;
-  bf16* pt = carve.take<bf16>(L::kProbBytes) + warp * kWarpRows * L::kProb;
-  bf16* dst = carve.take<bf16>(L::kProbBytes) + warp * kWarpRows * L::kProb;
-  float* lse_s = carve.take<float>(L::kRowBytes);
-  float* delta_s = carve.take<float>(L::kRowBytes);
+  const BackwardShared<HS> sh(smem, warp);
+  bf16 *const ks = sh.own_a, *const vs = sh.own_b, *const qs = sh.walk_a, *const dys = sh.walk_b;
+  float *const st = sh.s, *const dpt = sh.dp, *const lse_s = sh.lse, *const delta_s = sh.delta;
+  bf16 *const pt = sh.p, *const dst = sh.ds;
 
   const HeadView head(qkv, blockIdx.y, t, heads, hs);
   const float* dyh = dy + head.y_offset;
@@ -325,7 +355,7 @@ __global__ void __launch_bounds__(kFlashThreads)
     RowsTimesTransposed<HS>(vs + warp * kWarpRows * L::kHead, dys, dpt);
     __syncwarp();
     for (int j = 0; j < 32; ++j) {
-      const int col = half * 32 + j, qi = q0 + col;
+      const int col = half * 32 + Rotated<32>(j, lane), qi = q0 + col;
       const float p =
           (qi < kj || kj >= t) ? 0.f : __expf(st[row * L::kScore + col] * scale - lse_s[col]);
       const float ds = p * (dpt[row * L::kScore + col] - delta_s[col]);
@@ -354,15 +384,11 @@ __global__ void __launch_bounds__(kFlashThreads)
 #else
   using L = Layout<HS>;
   extern __shared__ __align__(128) unsigned char smem[];
-  SharedCarve carve(smem);
-  bf16* qs = carve.take<bf16>(L::kHeadBytes);
-  bf16* dys = carve.take<bf16>(L::kHeadBytes);
-  bf16* ks = carve.take<bf16>(L::kHeadBytes);
-  bf16* vs = carve.take<bf16>(L::kHeadBytes);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* sw = carve.take<float>(L::kScoreBytes) + warp * kWarpRows * L::kScore;
-  float* dpw = carve.take<float>(L::kScoreBytes) + warp * kWarpRows * L::kScore;
-  bf16* dsw = carve.take<bf16>(L::kProbBytes) + warp * kWarpRows * L::kProb;
+  const BackwardShared<HS> sh(smem, warp);
+  bf16 *const qs = sh.own_a, *const dys = sh.own_b, *const ks = sh.walk_a, *const vs = sh.walk_b;
+  float *const sw = sh.s, *const dpw = sh.dp;
+  bf16* const dsw = sh.ds;
 
   const HeadView head(qkv, blockIdx.y, t, heads, hs);
   const std::int64_t y_ld = static_cast<std::int64_t>(heads) * hs;
@@ -386,7 +412,7 @@ __global__ void __launch_bounds__(kFlashThreads)
     RowsTimesTransposed<HS>(dys + warp * kWarpRows * L::kHead, vs, dpw);  // dP = dY_w V^T
     __syncwarp();
     for (int j = 0; j < 32; ++j) {
-      const int col = half * 32 + j, kj = k0 + col;
+      const int col = half * 32 + Rotated<32>(j, lane), kj = k0 + col;
       const float p = (kj > qi || kj >= t) ? 0.f : __expf(sw[row * L::kScore + col] * scale - row_lse);
       dsw[row * L::kProb + col] = __float2bfloat16_rn(p * (dpw[row * L::kScore + col] - row_delta));
     }
@@ -464,13 +490,12 @@ void flash_attention_backward(Device device, const float* qkv, const float* y, c
                                             static_cast<int>(hs));
   CheckLaunch("cuda::flash_attention_backward (delta)");
   ByHeadSize(hs, [&]<int HS>() {
-    const std::size_t keys_bytes = Layout<HS>::kBackwardKeys;
-    const dim3 keys_grid = Prepare(FlashBackwardKeysKernel<HS>, keys_bytes, t, b_n * heads);
-    FlashBackwardKeysKernel<HS><<<keys_grid, kFlashThreads, keys_bytes, cudaStreamPerThread>>>(
+    const std::size_t bytes = Layout<HS>::kBackward;
+    const dim3 grid = Prepare(FlashBackwardKeysKernel<HS>, bytes, t, b_n * heads);
+    FlashBackwardKeysKernel<HS><<<grid, kFlashThreads, bytes, cudaStreamPerThread>>>(
         qkv, dy, lse, delta, dqkv, static_cast<int>(t), static_cast<int>(heads), static_cast<int>(hs), scale);
-    const std::size_t queries_bytes = Layout<HS>::kBackwardQueries;
-    const dim3 queries_grid = Prepare(FlashBackwardQueriesKernel<HS>, queries_bytes, t, b_n * heads);
-    FlashBackwardQueriesKernel<HS><<<queries_grid, kFlashThreads, queries_bytes, cudaStreamPerThread>>>(
+    Prepare(FlashBackwardQueriesKernel<HS>, bytes, t, b_n * heads);
+    FlashBackwardQueriesKernel<HS><<<grid, kFlashThreads, bytes, cudaStreamPerThread>>>(
         qkv, dy, lse, delta, dqkv, static_cast<int>(t), static_cast<int>(heads), static_cast<int>(hs), scale);
   });
   CheckLaunch("cuda::flash_attention_backward");
