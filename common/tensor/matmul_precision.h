@@ -20,7 +20,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string_view>
 
 namespace shardkit {
@@ -34,14 +33,6 @@ inline std::string_view matmul_precision_name(MatmulPrecision p) {
     case MatmulPrecision::medium: return "medium";
   }
   return "unknown";
-}
-
-// "highest", "high" or "medium"; nullopt for anything else.
-inline std::optional<MatmulPrecision> parse_matmul_precision(std::string_view name) {
-  for (MatmulPrecision p : {MatmulPrecision::highest, MatmulPrecision::high, MatmulPrecision::medium}) {
-    if (name == matmul_precision_name(p)) return p;
-  }
-  return std::nullopt;
 }
 
 // Whether a "medium" GEMM of op(A) [m, k] by op(B) [k, n] (each matrix of a batch) runs on bf16 copies: when it

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/base/check.h"
@@ -47,6 +48,30 @@ inline unsigned GridFor(std::int64_t n, std::int64_t cap = 4096) {
   if (blocks < 1) blocks = 1;
   return static_cast<unsigned>(blocks);
 }
+
+// Whether p is a multiple of `bytes` (vector loads and stores need their width's alignment).
+inline bool Aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+
+// `numel` elements of T from the device's stream-ordered pool on the calling thread's default stream, freed on that
+// stream when the scope ends (so after the work queued before the free); numel 0 holds none.
+template <typename T>
+class StreamScratch {
+ public:
+  explicit StreamScratch(std::int64_t numel) {
+    if (numel > 0) {
+      SK_CUDA_CHECK(cudaMallocAsync(&p_, static_cast<std::size_t>(numel) * sizeof(T), cudaStreamPerThread));
+    }
+  }
+  ~StreamScratch() {
+    if (p_ != nullptr) cudaFreeAsync(p_, cudaStreamPerThread);
+  }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+};
 
 // Reports a failed launch (bad configuration, no device) right after the launch.
 inline void CheckLaunch(const char* what) {

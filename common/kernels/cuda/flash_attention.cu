@@ -482,8 +482,8 @@ void flash_attention_backward(Device device, const float* qkv, const float* y, c
   if (b_n * t * heads == 0) return;
   DeviceGuard guard(device);
   const std::int64_t rows = b_n * heads * t;
-  float* delta = nullptr;
-  SK_CUDA_CHECK(cudaMallocAsync(&delta, static_cast<std::size_t>(rows) * sizeof(float), cudaStreamPerThread));
+  const StreamScratch<float> delta_scratch(rows);
+  float* delta = delta_scratch.get();
   constexpr int kRowsPerBlock = kThreads / 32;
   FlashDeltaKernel<<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0,
                      cudaStreamPerThread>>>(y, dy, delta, rows, static_cast<int>(t), static_cast<int>(heads),
@@ -499,7 +499,6 @@ void flash_attention_backward(Device device, const float* qkv, const float* y, c
         qkv, dy, lse, delta, dqkv, static_cast<int>(t), static_cast<int>(heads), static_cast<int>(hs), scale);
   });
   CheckLaunch("cuda::flash_attention_backward");
-  SK_CUDA_CHECK(cudaFreeAsync(delta, cudaStreamPerThread));
 }
 
 }  // namespace cuda_impl

@@ -36,7 +36,6 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <optional>
 #include <string>
 
 #include "common/kernels/cuda/bf16_gemm_plan.h"
@@ -184,36 +183,17 @@ __global__ void PackBf16Kernel(const float* __restrict__ src, __nv_bfloat16* __r
   }
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
 // Whether the padded sizes (Note [padded bf16 copies]) still fit cuBLAS's int arguments; sizes within 7 of
 // INT_MAX run as "high" instead.
 bool Bf16CopiesFit(std::int64_t m, std::int64_t n, std::int64_t k) {
   return round_up_to_pad(std::max({m, n, k})) <= std::numeric_limits<int>::max();
 }
 
-// Stream-ordered scratch from the device's pool, freed on the calling thread's stream (after the work queued
-// before the free).
-template <typename T>
-class Scratch {
- public:
-  explicit Scratch(std::int64_t numel) {
-    SK_CUDA_CHECK(cudaMallocAsync(&p_, static_cast<std::size_t>(numel) * sizeof(T), cudaStreamPerThread));
-  }
-  ~Scratch() { cudaFreeAsync(p_, cudaStreamPerThread); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  T* get() const { return p_; }
-
- private:
-  T* p_ = nullptr;
-};
-
 // The packed bf16 copy `s` of src (Note [bf16 operand copies]), in scratch of its own.
-class PackedCopy : public Scratch<__nv_bfloat16> {
+class PackedCopy : public StreamScratch<__nv_bfloat16> {
  public:
-  PackedCopy(const float* src, const PackShape& s) : Scratch(s.numel()) {
-    const bool vector_loads = Aligned16(src) && s.ld % 4 == 0 && (s.batches == 1 || s.stride % 4 == 0);
+  PackedCopy(const float* src, const PackShape& s) : StreamScratch(s.numel()) {
+    const bool vector_loads = Aligned(src, 16) && s.ld % 4 == 0 && (s.batches == 1 || s.stride % 4 == 0);
     const std::int64_t blocks = std::min<std::int64_t>((s.groups() + kThreads - 1) / kThreads, 4096);
     PackBf16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, cudaStreamPerThread>>>(src, get(), s, vector_loads);
     CheckLaunch("cuda::gemm bf16 operand copy");
@@ -243,14 +223,11 @@ cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, st
                                 const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
                                 std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
   const Bf16GemmPlan plan =
-      plan_bf16_gemm(trans_a, trans_b, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batches, Aligned16(c));
+      plan_bf16_gemm(trans_a, trans_b, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batches, Aligned(c, 16));
   const PackedCopy a16(a, plan.a), b16(b, plan.b);
-  std::optional<Scratch<float>> staging;
-  float* out = c;
-  if (plan.staged) {
-    out = staging.emplace(batches * plan.stride_c).get();
-    if (beta != 0.f) CopyStaged(c, ldc, stride_c, out, plan, m, n, batches, true);
-  }
+  const StreamScratch<float> staging(plan.staged ? batches * plan.stride_c : 0);
+  float* const out = plan.staged ? staging.get() : c;
+  if (plan.staged && beta != 0.f) CopyStaged(c, ldc, stride_c, out, plan, m, n, batches, true);
   const CublasApi& api = CheckedCublas();
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasStatus_t s;

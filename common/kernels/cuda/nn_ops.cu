@@ -37,27 +37,6 @@ __device__ float WarpMax(float v) {
   return v;
 }
 
-// Stream-ordered scratch on the calling thread's default stream, freed when the scope ends (the free is
-// ordered after the kernels that use it).
-class Scratch {
- public:
-  explicit Scratch(std::size_t nbytes) {
-    if (nbytes > 0) SK_CUDA_CHECK(cudaMallocAsync(&ptr_, nbytes, cudaStreamPerThread));
-  }
-  ~Scratch() {
-    if (ptr_ != nullptr) cudaFreeAsync(ptr_, cudaStreamPerThread);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
-
 // ---- broadcast rows -----------------------------------------------------------------------------------
 template <RowOp kOp>
 __global__ void BroadcastRowsKernel(const float* a, const float* b, float* out, std::int64_t rows, std::int64_t n) {
@@ -118,11 +97,11 @@ void ColumnSums(Term term, float* out, std::int64_t rows, std::int64_t n, bool a
     return;
   }
   SK_CHECK(chunks <= 65535) << "column sum over " << rows << " rows: more chunks than a grid's y dimension";
-  Scratch partials(static_cast<std::size_t>(chunks * n) * sizeof(float));
+  const StreamScratch<float> partials(chunks * n);
   const dim3 grid(static_cast<unsigned>((n + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
-  ChunkColumnSumsKernel<<<grid, kThreads, 0, cudaStreamPerThread>>>(term, partials.as<float>(), rows, n);
+  ChunkColumnSumsKernel<<<grid, kThreads, 0, cudaStreamPerThread>>>(term, partials.get(), rows, n);
   CheckLaunch("column sums");
-  AddChunksKernel<<<GridFor(n), kThreads, 0, cudaStreamPerThread>>>(partials.as<float>(), out, chunks, n,
+  AddChunksKernel<<<GridFor(n), kThreads, 0, cudaStreamPerThread>>>(partials.get(), out, chunks, n,
                                                                      accumulate);
   CheckLaunch("column sums (chunks)");
 }
@@ -414,10 +393,10 @@ unsigned RowBlocks(std::int64_t rows) {
 // A device word set to "none" (all ones) for atomicMin, read back (synchronously) by Read().
 class FirstBad {
  public:
-  FirstBad() : word_(sizeof(unsigned long long)) {
-    SK_CUDA_CHECK(cudaMemsetAsync(word_.as<void>(), 0xff, sizeof(unsigned long long), cudaStreamPerThread));
+  FirstBad() : word_(1) {
+    SK_CUDA_CHECK(cudaMemsetAsync(word_.get(), 0xff, sizeof(unsigned long long), cudaStreamPerThread));
   }
-  unsigned long long* get() const { return word_.as<unsigned long long>(); }
+  unsigned long long* get() const { return word_.get(); }
   std::int64_t Read() const {
     unsigned long long v = 0;
     SK_CUDA_CHECK(cudaMemcpyAsync(&v, get(), sizeof v, cudaMemcpyDeviceToHost, cudaStreamPerThread));
@@ -426,7 +405,7 @@ class FirstBad {
   }
 
  private:
-  Scratch word_;
+  StreamScratch<unsigned long long> word_;
 };
 
 }  // namespace

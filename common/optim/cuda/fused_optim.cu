@@ -25,6 +25,7 @@
 namespace shardkit::optim::cuda {
 namespace {
 
+using kernels::cuda::Aligned;
 using kernels::cuda::CheckLaunch;
 using kernels::cuda::DeviceGuard;
 using kernels::cuda::load_f32;
@@ -214,9 +215,6 @@ void DispatchTypes(DType param_dtype, DType grad_dtype, F&& f) {
   SK_CHECK(false) << "optimizer parameter of dtype " << dtype_name(param_dtype);
 }
 
-// Plans the launches over `tensors` (Note [multi-tensor launches]) and starts each through `launch`.
-bool Aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
-
 // Whether a tensor's arrays allow four elements a thread (Note [four elements a thread]): fp32 arrays 16-byte
 // aligned, the gradient's four elements (grad_bytes each) and a bf16 / f16 parameter's 8-byte aligned.
 bool VectorAccess(const AdamTensor& x, std::size_t grad_bytes) {
@@ -228,6 +226,7 @@ bool VectorAccess(const SgdTensor& x, std::size_t grad_bytes) {
          (x.param_out == nullptr || Aligned(x.param_out, 8));
 }
 
+// Plans the launches over `tensors` (Note [multi-tensor launches]) and starts each through `launch`.
 template <typename Entry, typename Coeffs, typename Launch>
 void LaunchAll(Device device, absl::Span<const Entry> tensors, const Coeffs& c, std::size_t grad_bytes,
                const char* what, Launch launch) {

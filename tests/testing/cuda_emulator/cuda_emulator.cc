@@ -202,6 +202,9 @@ void HostFree(void* p) noexcept { std::free(p); }
 void SyncDev(Device d) { Guard(d); FlushMine(); }
 int Count() noexcept { return 1; }
 
+// A value rounded to bf16 (to nearest even) and back.
+float B16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
 // An operand as tensor cores see it below MatmulPrecision::highest: each value rounded to nearest even, to
 // bf16 (medium) or to TF32's 10-bit mantissa (high); NaN and infinities kept.
 std::vector<float> Rounded(const float* x, std::size_t n, MatmulPrecision p) {
@@ -209,7 +212,7 @@ std::vector<float> Rounded(const float* x, std::size_t n, MatmulPrecision p) {
   for (float& v : out) {
     if (!std::isfinite(v)) continue;
     if (p == MatmulPrecision::medium) {
-      v = bf16_to_f32(f32_to_bf16(v));
+      v = B16(v);
     } else {
       const std::uint32_t bits = std::bit_cast<std::uint32_t>(v);
       v = std::bit_cast<float>((bits + 0xfffu + ((bits >> 13) & 1u)) & ~0x1fffu);
@@ -512,7 +515,6 @@ void CausalSoftmaxBackward(Device d, const float* p, float* dp, std::int64_t mat
 
 // The fused attention (flash_attention.cu) computed plainly, with the kernels' roundings: Q, K, V, dY, P and dS
 // to bf16 before each product, fp32 everywhere else.
-float B16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 bool FlashSupported(Device d, std::int64_t hs) { Guard(d); return hs >= 1 && hs <= 128; }
 void FlashAttention(Device d, const float* qkv, float* y, float* lse, std::int64_t b_n, std::int64_t t,
                     std::int64_t heads, std::int64_t hs, float scale) {
