@@ -24,6 +24,8 @@ constexpr detail::CudaMemoryOps kMemory{
 namespace kc = kernels::cuda::cuda_impl;
 constexpr kernels::cuda::CudaKernelOps kKernels{
     .gemm = &kc::gemm,
+    .pack_bf16 = &kc::pack_bf16,
+    .gemm_on_bf16_copies = &kc::gemm_on_bf16_copies,
     .cublas_load_error = &kc::cublas_load_error,
     .sum = &kc::sum,
     .sum_squares = &kc::sum_squares,

@@ -35,6 +35,13 @@ void gemm_on(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int
   tl_stats.flops += 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
 }
 
+void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                         float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc) {
+  kernels::cuda::gemm_on_bf16_copies(device, trans_a, trans_b, m, n, k, alpha, a16, b16, beta, c, ldc);
+  tl_stats.calls += 1;
+  tl_stats.flops += 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+}
+
 }  // namespace detail
 
 }  // namespace shardkit::autograd

@@ -33,6 +33,10 @@ void timed_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
 void gemm_on(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
              float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
              std::int64_t ldc);
+
+// kernels::cuda::gemm_on_bf16_copies with the same accounting as gemm_on's CUDA path.
+void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                         float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc);
 }  // namespace detail
 
 }  // namespace shardkit::autograd

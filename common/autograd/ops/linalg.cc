@@ -2,6 +2,7 @@
 
 #include "common/autograd/ops/gemm_timing.h"
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/tensor/rank_context.h"
 
@@ -123,6 +124,45 @@ Tensor bmm(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
   });
 }
 
+// Note [bf16 copies kept across a linear's GEMMs]
+// At MatmulPrecision::medium on CUDA each GEMM copies its fp32 operands to bf16 (Note [bf16 operand copies] in
+// common/kernels/cuda/gemm.cu), so a linear layer's three products would copy x twice (forward, dW), dy twice (dX,
+// dW) and W twice (forward, dX). The op makes the copies itself instead (kernels::cuda::pack_bf16; a copy's layout
+// depends only on the matrix as stored, not on its role in a product) and multiplies them with
+// gemm_on_bf16_copies: x is copied once, in forward, and backward keeps that copy for dW in place of the fp32 x
+// (half the bytes held between the passes, as torch.autocast keeps its bf16 casts); dy is copied once for both
+// backward products. W is copied in each pass, as before: keeping its copy from forward to backward would hold 2
+// bytes per parameter of every layer between the passes, which fully_shard's resharding after forward is there to
+// avoid. A product takes copies only where gemm would have made them (LinearProducts), so every result has the
+// same bits as before. The copies are activation tensors of the memory ledger; gemm's own are scratch outside it.
+namespace {
+
+// Which of a linear layer's three products (x [rows, in], W [out, in]) run on bf16 copies: the forward's
+// x W^T, backward's dy W and dy^T x.
+struct LinearProducts {
+  bool forward = false, grad_x = false, grad_w = false;
+};
+
+LinearProducts ProductsOnBf16Copies(Device device, std::int64_t rows, std::int64_t in, std::int64_t out) {
+  if (!device.is_cuda() || current_rank_context().matmul_precision != MatmulPrecision::medium || rows < 1 ||
+      in < 1 || out < 1) {
+    return {};
+  }
+  using kernels::cuda::medium_gemm_runs_on_bf16_copies;
+  return {medium_gemm_runs_on_bf16_copies(rows, out, in), medium_gemm_runs_on_bf16_copies(rows, in, out),
+          medium_gemm_runs_on_bf16_copies(out, in, rows)};
+}
+
+// The packed bf16 copy of a contiguous rows x cols fp32 matrix on a CUDA device, as an activation tensor.
+Tensor Bf16Copy(const float* src, std::int64_t rows, std::int64_t cols, Device device) {
+  Tensor copy = detail::new_activation(
+      {kernels::cuda::round_up_to_pad(rows), kernels::cuda::round_up_to_pad(cols)}, DType::bf16, device);
+  kernels::cuda::pack_bf16(device, src, rows, cols, cols, copy.raw_data());
+  return copy;
+}
+
+}  // namespace
+
 Tensor linear_compute(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   detail::check_f32("linear", x);
   detail::check_f32("linear", weight);
@@ -154,24 +194,54 @@ Tensor linear_compute(const Tensor& x, const Tensor& weight, const Tensor& bias)
       for (std::int64_t j = 0; j < out_f; ++j) yr[j] = bp[j];
     }
   }
-  detail::gemm_on(device, false, true, rows, out_f, in, 1.f, x.data<float>(), in, weight.data<float>(), in,
-                  bias.defined() ? 1.f : 0.f, y, out_f);
-  if (should_record({&x, &weight, &bias})) {
+  const bool recording = should_record({&x, &weight, &bias});
+  const bool need_x = recording && detail::needs_grad(x);
+  const bool need_w = recording && detail::needs_grad(weight);
+  const bool need_b = recording && detail::needs_grad(bias);
+  // Note [bf16 copies kept across a linear's GEMMs].
+  const LinearProducts on_copies = ProductsOnBf16Copies(device, rows, in, out_f);
+  const bool keep_x16 = on_copies.grad_w && need_w;
+  Tensor x16;
+  if (on_copies.forward || keep_x16) x16 = Bf16Copy(x.data<float>(), rows, in, device);
+  if (on_copies.forward) {
+    const Tensor w16 = Bf16Copy(weight.data<float>(), out_f, in, device);
+    detail::gemm_on_bf16_copies(device, false, true, rows, out_f, in, 1.f, x16.raw_data(), w16.raw_data(),
+                                bias.defined() ? 1.f : 0.f, y, out_f);
+  } else {
+    detail::gemm_on(device, false, true, rows, out_f, in, 1.f, x.data<float>(), in, weight.data<float>(), in,
+                    bias.defined() ? 1.f : 0.f, y, out_f);
+  }
+  if (!keep_x16) x16 = Tensor();
+  if (recording) {
     detail::record("LinearBackward", {&x, &weight, &bias}, {&out},
-                   [x, weight, device, rows, in, out_f, has_bias = bias.defined(), need_x = detail::needs_grad(x),
-                    need_w = detail::needs_grad(weight),
-                    need_b = detail::needs_grad(bias)](TensorList&& g) -> TensorList {
+                   [x = keep_x16 ? Tensor() : x, x_shape = x.shape(), x16, weight, device, rows, in, out_f, on_copies,
+                    has_bias = bias.defined(), need_x, need_w, need_b](TensorList&& g) -> TensorList {
                      const float* gy = g[0].data<float>();
                      Tensor gx, gw, gb;
+                     Tensor gy16;  // dy's copy, for both products that run on copies
+                     if ((need_x && on_copies.grad_x) || (need_w && on_copies.grad_w)) {
+                       gy16 = Bf16Copy(gy, rows, out_f, device);
+                     }
                      if (need_x) {  // dx [rows, in] = dy [rows, out] W [out, in]
-                       gx = detail::new_activation(x.shape(), DType::f32, device);
-                       detail::gemm_on(device, false, false, rows, in, out_f, 1.f, gy, out_f, weight.data<float>(),
-                                       in, 0.f, gx.data<float>(), in);
+                       gx = detail::new_activation(x_shape, DType::f32, device);
+                       if (on_copies.grad_x) {
+                         const Tensor w16 = Bf16Copy(weight.data<float>(), out_f, in, device);
+                         detail::gemm_on_bf16_copies(device, false, false, rows, in, out_f, 1.f, gy16.raw_data(),
+                                                     w16.raw_data(), 0.f, gx.data<float>(), in);
+                       } else {
+                         detail::gemm_on(device, false, false, rows, in, out_f, 1.f, gy, out_f, weight.data<float>(),
+                                         in, 0.f, gx.data<float>(), in);
+                       }
                      }
                      if (need_w) {  // dW [out, in] = dy^T x
                        gw = detail::new_activation(weight.shape(), DType::f32, device);
-                       detail::gemm_on(device, true, false, out_f, in, rows, 1.f, gy, out_f, x.data<float>(), in,
-                                       0.f, gw.data<float>(), in);
+                       if (on_copies.grad_w) {
+                         detail::gemm_on_bf16_copies(device, true, false, out_f, in, rows, 1.f, gy16.raw_data(),
+                                                     x16.raw_data(), 0.f, gw.data<float>(), in);
+                       } else {
+                         detail::gemm_on(device, true, false, out_f, in, rows, 1.f, gy, out_f, x.data<float>(), in,
+                                         0.f, gw.data<float>(), in);
+                       }
                      }
                      if (has_bias && need_b && device.is_cuda()) {
                        gb = detail::new_activation({out_f}, DType::f32, device);

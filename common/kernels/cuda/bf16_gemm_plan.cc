@@ -1,5 +1,10 @@
 #include "common/kernels/cuda/bf16_gemm_plan.h"
 
+#include <algorithm>
+#include <limits>
+
+#include "common/tensor/matmul_precision.h"
+
 namespace shardkit::kernels::cuda {
 
 PackShape pack_shape(std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t stride, std::int64_t batches) {
@@ -12,6 +17,10 @@ PackShape pack_shape(std::int64_t rows, std::int64_t cols, std::int64_t ld, std:
   s.pad_rows = round_up_to_pad(rows);
   s.pad_cols = round_up_to_pad(cols);
   return s;
+}
+
+bool medium_gemm_runs_on_bf16_copies(std::int64_t m, std::int64_t n, std::int64_t k) {
+  return medium_gemm_uses_bf16(m, n) && round_up_to_pad(std::max({m, n, k})) <= std::numeric_limits<int>::max();
 }
 
 Bf16GemmPlan plan_bf16_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,

@@ -59,6 +59,18 @@ SK_HOST_DEVICE inline PackGroup pack_group(const PackShape& s, std::int64_t g) {
   return {r * s.pad_cols + j, b * s.stride + i * s.ld + j, static_cast<int>(valid)};
 }
 
+// Elements of the packed copy of one rows x cols matrix (pack_shape(rows, cols, ...).numel() for one matrix).
+SK_HOST_DEVICE inline std::int64_t packed_bf16_numel(std::int64_t rows, std::int64_t cols) {
+  return round_up_to_pad(rows) * round_up_to_pad(cols);
+}
+
+// Whether a "medium" GEMM of op(A) [m, k] by op(B) [k, n] runs on bf16 copies rather than as "high": where the copies
+// pay (medium_gemm_uses_bf16 in common/tensor/matmul_precision.h) and the padded sizes still fit cuBLAS's int
+// arguments (sizes within 7 of INT_MAX run as "high"). gemm.cu decides by it, and so does a caller that hands
+// gemm_on_bf16_copies copies of its own (Note [bf16 copies kept across a linear's GEMMs] in
+// common/autograd/ops/linalg.cc). A pure function.
+bool medium_gemm_runs_on_bf16_copies(std::int64_t m, std::int64_t n, std::int64_t k);
+
 // Row-major C_b = alpha op(A_b) op(B_b) + beta C_b for b < batches (op(A) [m, k], op(B) [k, n], C [m, n] with
 // leading dimension ldc, matrices stride_c apart) on the copies, as the column-major cuBLAS call makes it (Note
 // [row-major through column-major cuBLAS] in gemm.cu: the operands swapped, dimensions (n, m, k)).

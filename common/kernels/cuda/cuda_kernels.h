@@ -30,6 +30,15 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
           std::int64_t ldc, MatmulPrecision precision);
 
+// The packed bf16 copy (Note [padded bf16 copies] in bf16_gemm_plan.h) of the rows x cols fp32 matrix at src (row i
+// at src + i * ld) into dst: packed_bf16_numel(rows, cols) bf16 elements, zeros beyond rows and cols.
+void pack_bf16(Device device, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, void* dst);
+// gemm at MatmulPrecision::medium on operands given as their packed copies (pack_bf16 of A as stored: m x k, or
+// k x m when trans_a; of B: k x n, or n x k when trans_b): the same bits as gemm on the fp32 operands. Only where
+// medium_gemm_runs_on_bf16_copies(m, n, k) (bf16_gemm_plan.h), with m, n, k >= 1; InternalError otherwise.
+void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                         float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc);
+
 // Loads cuBLAS if not yet loaded (Note [cuBLAS loaded on first use] in gemm.cu; needs no GPU) and returns
 // why it cannot be used, or "" when it can (without the CUDA component: detail::cuda_unavailable_reason()).
 std::string cublas_load_error();
@@ -116,6 +125,8 @@ void copy_2d(Device device, const void* src, std::size_t src_pitch, void* dst, s
 // ---- the seam (Note [cuda component]) -----------------------------------------------------------------
 struct CudaKernelOps {
   decltype(&cuda::gemm) gemm;
+  decltype(&cuda::pack_bf16) pack_bf16;
+  decltype(&cuda::gemm_on_bf16_copies) gemm_on_bf16_copies;
   decltype(&cuda::cublas_load_error) cublas_load_error;
   decltype(&cuda::sum) sum;
   decltype(&cuda::sum_squares) sum_squares;
@@ -155,6 +166,8 @@ void register_cuda_kernels(const CudaKernelOps* ops);
 // nothing in the CPU libraries refers to these).
 namespace cuda_impl {
 decltype(cuda::gemm) gemm;
+decltype(cuda::pack_bf16) pack_bf16;
+decltype(cuda::gemm_on_bf16_copies) gemm_on_bf16_copies;
 decltype(cuda::cublas_load_error) cublas_load_error;
 decltype(cuda::sum) sum;
 decltype(cuda::sum_squares) sum_squares;

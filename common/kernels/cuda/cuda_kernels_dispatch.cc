@@ -1,9 +1,12 @@
 // The kernels::cuda functions in the CPU library: each forwards to the implementation that shardkit::cuda
 // registers (Note [cuda component] in common/cuda/cuda_component.h), or throws InternalError saying why CUDA
 // is absent from this program.
+#include <algorithm>
+#include <limits>
 #include <string>
 
 #include "common/base/check.h"
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/tensor/device_memory.h"
 #include "common/tensor/startup_registry.h"
@@ -27,6 +30,21 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
           const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
           std::int64_t ldc, MatmulPrecision precision) {
   Ops("cuda::gemm").gemm(device, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, precision);
+}
+// These two check their contracts here, before the call is queued on a stream, so a bad call throws where it is made.
+void pack_bf16(Device device, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, void* dst) {
+  SK_CHECK(rows >= 0 && cols >= 0 && ld >= std::max<std::int64_t>(1, cols))
+      << "cuda::pack_bf16: rows=" << rows << " cols=" << cols << " ld=" << ld;
+  Ops("cuda::pack_bf16").pack_bf16(device, src, rows, cols, ld, dst);
+}
+void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                         float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc) {
+  SK_CHECK(m >= 1 && n >= 1 && k >= 1 && medium_gemm_runs_on_bf16_copies(m, n, k) && ldc >= n &&
+           ldc <= std::numeric_limits<int>::max())
+      << "cuda::gemm_on_bf16_copies: m=" << m << " n=" << n << " k=" << k << " ldc=" << ldc
+      << " is not a product that runs on bf16 copies (medium_gemm_runs_on_bf16_copies)";
+  Ops("cuda::gemm_on_bf16_copies")
+      .gemm_on_bf16_copies(device, trans_a, trans_b, m, n, k, alpha, a16, b16, beta, c, ldc);
 }
 std::string cublas_load_error() {
   const CudaKernelOps* ops = g_cuda_kernels.get();

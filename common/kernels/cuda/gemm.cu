@@ -8,7 +8,8 @@
 // MatmulPrecision::highest the same products go through cublasGemmEx / cublasGemmStridedBatchedEx with fp32
 // results and fp32 accumulation on tensor cores (Note [matmul precision] in common/tensor/matmul_precision.h):
 // "high" hands cuBLAS the fp32 operands with the FAST_TF32 compute type; "medium" hands it bf16 copies of them
-// (Note [bf16 operand copies]) where medium_gemm_uses_bf16 says the copies pay, else runs as "high".
+// (Note [bf16 operand copies]) where medium_gemm_runs_on_bf16_copies (bf16_gemm_plan.h) says the copies pay, else
+// runs as "high".
 //
 // Note [bf16 operand copies]: cuBLAS's FAST_16BF compute type on fp32 operands only *allows* bf16; on an H200
 // (stop 32) it ran TF32 kernels for every GPT-2 GEMM (the kernel names said tf32, the results were TF32's), at
@@ -183,21 +184,19 @@ __global__ void PackBf16Kernel(const float* __restrict__ src, __nv_bfloat16* __r
   }
 }
 
-// Whether the padded sizes (Note [padded bf16 copies]) still fit cuBLAS's int arguments; sizes within 7 of
-// INT_MAX run as "high" instead.
-bool Bf16CopiesFit(std::int64_t m, std::int64_t n, std::int64_t k) {
-  return round_up_to_pad(std::max({m, n, k})) <= std::numeric_limits<int>::max();
+// Writes the packed bf16 copy `s` of src into dst (s.numel() elements) on the calling thread's stream.
+void LaunchPack(const float* src, const PackShape& s, __nv_bfloat16* dst) {
+  if (s.numel() == 0) return;
+  const bool vector_loads = Aligned(src, 16) && s.ld % 4 == 0 && (s.batches == 1 || s.stride % 4 == 0);
+  const std::int64_t blocks = std::min<std::int64_t>((s.groups() + kThreads - 1) / kThreads, 4096);
+  PackBf16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, cudaStreamPerThread>>>(src, dst, s, vector_loads);
+  CheckLaunch("cuda::gemm bf16 operand copy");
 }
 
 // The packed bf16 copy `s` of src (Note [bf16 operand copies]), in scratch of its own.
 class PackedCopy : public StreamScratch<__nv_bfloat16> {
  public:
-  PackedCopy(const float* src, const PackShape& s) : StreamScratch(s.numel()) {
-    const bool vector_loads = Aligned(src, 16) && s.ld % 4 == 0 && (s.batches == 1 || s.stride % 4 == 0);
-    const std::int64_t blocks = std::min<std::int64_t>((s.groups() + kThreads - 1) / kThreads, 4096);
-    PackBf16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, cudaStreamPerThread>>>(src, get(), s, vector_loads);
-    CheckLaunch("cuda::gemm bf16 operand copy");
-  }
+  PackedCopy(const float* src, const PackShape& s) : StreamScratch(s.numel()) { LaunchPack(src, s, get()); }
 };
 
 // Copies `batches` matrices of m rows of n floats between C (leading dimension ldc, stride_c apart) and the
@@ -215,16 +214,13 @@ void CopyStaged(float* c, std::int64_t ldc, std::int64_t stride_c, float* stagin
   }
 }
 
-// Row-major C_b = alpha op(A_b) op(B_b) + beta C_b for b < batches on padded bf16 copies of A and B (Note [bf16
-// operand copies], Note [padded bf16 copies]), fp32 accumulation and C; the operands swapped as in Note [row-major
+// Row-major C_b = alpha op(A_b) op(B_b) + beta C_b for b < batches on the padded bf16 copies a16, b16 laid out as
+// plan.a, plan.b (Note [padded bf16 copies]), fp32 accumulation and C; the operands swapped as in Note [row-major
 // through column-major cuBLAS].
-cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
-                                std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
-                                const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
-                                std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
-  const Bf16GemmPlan plan =
-      plan_bf16_gemm(trans_a, trans_b, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batches, Aligned(c, 16));
-  const PackedCopy a16(a, plan.a), b16(b, plan.b);
+cublasStatus_t GemmOnPackedCopies(cublasHandle_t h, const Bf16GemmPlan& plan, bool trans_a, bool trans_b,
+                                  std::int64_t m, std::int64_t n, float alpha, const __nv_bfloat16* a16,
+                                  const __nv_bfloat16* b16, float beta, float* c, std::int64_t ldc,
+                                  std::int64_t stride_c, std::int64_t batches) {
   const StreamScratch<float> staging(plan.staged ? batches * plan.stride_c : 0);
   float* const out = plan.staged ? staging.get() : c;
   if (plan.staged && beta != 0.f) CopyStaged(c, ldc, stride_c, out, plan, m, n, batches, true);
@@ -233,19 +229,39 @@ cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, st
   cublasStatus_t s;
   if (batches == 1) {
     s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k), &alpha,
-                    b16.get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols), a16.get(), CUDA_R_16BF,
+                    b16, CUDA_R_16BF, static_cast<int>(plan.b.pad_cols), a16, CUDA_R_16BF,
                     static_cast<int>(plan.a.pad_cols), &beta, out, CUDA_R_32F, static_cast<int>(plan.ldc),
                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   } else {
     s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k),
-                                    &alpha, b16.get(), CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
-                                    plan.b.copy_stride(), a16.get(), CUDA_R_16BF,
+                                    &alpha, b16, CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
+                                    plan.b.copy_stride(), a16, CUDA_R_16BF,
                                     static_cast<int>(plan.a.pad_cols), plan.a.copy_stride(), &beta, out, CUDA_R_32F,
                                     static_cast<int>(plan.ldc), plan.stride_c, static_cast<int>(batches),
                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   }
   if (s == CUBLAS_STATUS_SUCCESS && plan.staged) CopyStaged(c, ldc, stride_c, out, plan, m, n, batches, false);
   return s;
+}
+
+// The same on fp32 A and B, copied to bf16 first (Note [bf16 operand copies]).
+cublasStatus_t GemmOnBf16Copies(cublasHandle_t h, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                                std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,
+                                const float* b, std::int64_t ldb, std::int64_t stride_b, float beta, float* c,
+                                std::int64_t ldc, std::int64_t stride_c, std::int64_t batches) {
+  const Bf16GemmPlan plan =
+      plan_bf16_gemm(trans_a, trans_b, m, n, k, lda, stride_a, ldb, stride_b, ldc, stride_c, batches, Aligned(c, 16));
+  const PackedCopy a16(a, plan.a), b16(b, plan.b);
+  return GemmOnPackedCopies(h, plan, trans_a, trans_b, m, n, alpha, a16.get(), b16.get(), beta, c, ldc, stride_c,
+                            batches);
+}
+
+// cuBLAS's handle for `device` on the calling thread's stream.
+cublasHandle_t HandleOnStream(int device) {
+  cublasHandle_t h = HandleFor(device);
+  const cublasStatus_t s = CheckedCublas().set_stream(h, cudaStreamPerThread);
+  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSetStream: " << CublasStatusName(s);
+  return h;
 }
 
 }  // namespace
@@ -267,15 +283,14 @@ void gemm(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_
     return;
   }
   const CublasApi& api = CheckedCublas();
-  cublasHandle_t h = HandleFor(device.index);
-  cublasStatus_t s = api.set_stream(h, cudaStreamPerThread);
-  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSetStream: " << CublasStatusName(s);
+  cublasHandle_t h = HandleOnStream(device.index);
+  cublasStatus_t s;
   // See Note [row-major through column-major cuBLAS].
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (precision == MatmulPrecision::highest) {
     s = api.sgemm(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
                   static_cast<int>(ldb), a, static_cast<int>(lda), &beta, c, static_cast<int>(ldc));
-  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n) || !Bf16CopiesFit(m, n, k)) {
+  } else if (precision == MatmulPrecision::high || !medium_gemm_runs_on_bf16_copies(m, n, k)) {
     s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
                     CUDA_R_32F, static_cast<int>(ldb), a, CUDA_R_32F, static_cast<int>(lda), &beta, c, CUDA_R_32F,
                     static_cast<int>(ldc), CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
@@ -304,16 +319,15 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
   }
   DeviceGuard guard(device);
   const CublasApi& api = CheckedCublas();
-  cublasHandle_t h = HandleFor(device.index);
-  cublasStatus_t s = api.set_stream(h, cudaStreamPerThread);
-  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cublasSetStream: " << CublasStatusName(s);
+  cublasHandle_t h = HandleOnStream(device.index);
+  cublasStatus_t s;
   // Operands swapped as in Note [row-major through column-major cuBLAS].
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (precision == MatmulPrecision::highest) {
     s = api.sgemm_strided_batched(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
                                   &alpha, b, static_cast<int>(ldb), stride_b, a, static_cast<int>(lda), stride_a,
                                   &beta, c, static_cast<int>(ldc), stride_c, static_cast<int>(batches));
-  } else if (precision == MatmulPrecision::high || !medium_gemm_uses_bf16(m, n) || !Bf16CopiesFit(m, n, k)) {
+  } else if (precision == MatmulPrecision::high || !medium_gemm_runs_on_bf16_copies(m, n, k)) {
     s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
                                     &alpha, b, CUDA_R_32F, static_cast<int>(ldb), stride_b, a, CUDA_R_32F,
                                     static_cast<int>(lda), stride_a, &beta, c, CUDA_R_32F, static_cast<int>(ldc),
@@ -326,6 +340,32 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS strided batched GEMM (m=" << m << ", n=" << n << ", k=" << k
                                        << ", batches=" << batches << ", precision "
                                        << matmul_precision_name(precision) << "): " << CublasStatusName(s);
+}
+
+// pack_bf16 and gemm_on_bf16_copies: their arguments are checked by the dispatch (cuda_kernels_dispatch.cc).
+void pack_bf16(Device device, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, void* dst) {
+  if (rows == 0 || cols == 0) return;
+  DeviceGuard guard(device);
+  LaunchPack(src, pack_shape(rows, cols, ld, 0, 1), static_cast<__nv_bfloat16*>(dst));
+}
+
+void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                         float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc) {
+  DeviceGuard guard(device);
+  if (alpha == 0.f) {  // as gemm: C = beta C without reading the operands
+    ScaleMatrixKernel<<<GridFor(m * n), kThreads, 0, cudaStreamPerThread>>>(c, m, n, ldc, beta);
+    CheckLaunch("cuda::gemm_on_bf16_copies scale");
+    return;
+  }
+  // The copies' layout depends only on each operand's stored shape, so any leading dimension plans them.
+  const Bf16GemmPlan plan = plan_bf16_gemm(trans_a, trans_b, m, n, k, trans_a ? m : k, 0, trans_b ? k : n, 0, ldc, 0,
+                                           1, Aligned(c, 16));
+  const cublasStatus_t s =
+      GemmOnPackedCopies(HandleOnStream(device.index), plan, trans_a, trans_b, m, n, alpha,
+                         static_cast<const __nv_bfloat16*>(a16), static_cast<const __nv_bfloat16*>(b16), beta, c, ldc,
+                         0, 1);
+  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS GEMM on bf16 copies (m=" << m << ", n=" << n << ", k=" << k
+                                       << "): " << CublasStatusName(s);
 }
 
 std::string cublas_load_error() { return Cublas().error; }

@@ -98,6 +98,74 @@ TEST(CudaOpsTest, LinearWithAndWithoutBias) {
                      [](const TensorList& t) { return linear(t[0], t[1]); }, kTol);
 }
 
+// Note [bf16 copies kept across a linear's GEMMs] (common/autograd/ops/linalg.cc): at medium the op copies x once
+// and dy once for its products, and the results are the bits of the three GEMMs as cuda::gemm makes them on the
+// fp32 operands. Shapes where every product runs on copies, only the forward does, and only dW does (x copied in
+// forward for backward's sake alone); x 3-d.
+TEST(CudaOpsTest, LinearAtMediumGivesTheBitsOfItsThreeGemms) {
+  SK_REQUIRE_CUDA_DEVICE("linear on a GPU");
+  RankContext ctx;
+  ctx.matmul_precision = MatmulPrecision::medium;
+  RankContextScope scope(ctx);
+  struct Case {
+    Shape x;
+    std::int64_t out;
+  };
+  std::uint64_t seed = 80;
+  for (const Case& k : {Case{{2, 300, 523}, 768}, Case{{600, 100}, 768}, Case{{64, 600}, 700}}) {
+    const std::int64_t in = k.x.back(), rows = Tensor::zeros(k.x).numel() / in;
+    SCOPED_TRACE(::testing::Message() << "rows " << rows << " in " << in << " out " << k.out);
+    Tensor x = Uniform(k.x, seed++).to(kGpu), w = Uniform({k.out, in}, seed++).to(kGpu);
+    const Tensor b = Uniform({k.out}, seed++).to(kGpu);
+    Shape y_shape = k.x;
+    y_shape.back() = k.out;
+    const Tensor up = Uniform(y_shape, seed++).to(kGpu);
+    x.set_requires_grad(true);
+    w.set_requires_grad(true);
+    const Tensor y = linear(x, w, b);
+    backward(y, up);
+    // The same products on the fp32 operands, as the op made them before it kept copies.
+    const Tensor want_y = Tensor::zeros({rows, k.out}).to(kGpu), want_dx = Tensor::zeros({rows, in}).to(kGpu);
+    const Tensor want_dw = Tensor::zeros({k.out, in}).to(kGpu);
+    const MatmulPrecision p = MatmulPrecision::medium;
+    kernels::cuda::broadcast_rows(kGpu, kernels::cuda::RowOp::assign, nullptr, b.data<float>(), want_y.data<float>(),
+                                  rows, k.out);
+    kernels::cuda::gemm(kGpu, false, true, rows, k.out, in, 1.f, x.data<float>(), in, w.data<float>(), in, 1.f,
+                        want_y.data<float>(), k.out, p);
+    kernels::cuda::gemm(kGpu, false, false, rows, in, k.out, 1.f, up.data<float>(), k.out, w.data<float>(), in, 0.f,
+                        want_dx.data<float>(), in, p);
+    kernels::cuda::gemm(kGpu, true, false, k.out, in, rows, 1.f, up.data<float>(), k.out, x.data<float>(), in, 0.f,
+                        want_dw.data<float>(), in, p);
+    EXPECT_EQ(HostValues(y), HostValues(want_y)) << "y";
+    EXPECT_EQ(HostValues(x.grad()), HostValues(want_dx)) << "dx";
+    EXPECT_EQ(HostValues(w.grad()), HostValues(want_dw)) << "dW";
+  }
+}
+
+// What a linear layer holds between forward and backward at medium: its output and the bf16 copy of its input
+// (rows and columns padded to multiples of 8: Note [padded bf16 copies]), not the fp32 input; at highest the fp32
+// input.
+TEST(CudaOpsTest, LinearAtMediumKeepsABf16CopyOfItsInputForBackward) {
+  SK_REQUIRE_CUDA_DEVICE("linear on a GPU");
+  constexpr std::int64_t kRows = 600, kIn = 523, kOut = 768;
+  Tensor w = Uniform({kOut, kIn}, 90).to(kGpu);
+  w.set_requires_grad(true);
+  const Tensor x_host = Uniform({kRows, kIn}, 91);
+  auto held_after_forward = [&](MatmulPrecision precision) {
+    RankContext ctx;
+    ctx.matmul_precision = precision;
+    RankContextScope scope(ctx);
+    MemoryCategoryScope activations(MemoryCategory::activation);
+    Tensor x = x_host.to(kGpu);
+    const Tensor y = linear(x, w);
+    x = Tensor();  // the caller's handle dropped: only the graph may keep it
+    return ctx.memory->snapshot().at(MemoryLocation::device).current_of(MemoryCategory::activation);
+  };
+  const std::int64_t y_bytes = kRows * kOut * 4;
+  EXPECT_EQ(held_after_forward(MatmulPrecision::highest), y_bytes + kRows * kIn * 4);
+  EXPECT_EQ(held_after_forward(MatmulPrecision::medium), y_bytes + kRows * 528 * 2);
+}
+
 TEST(CudaOpsTest, MatmulEveryTransposeAndBmm) {
   SK_REQUIRE_CUDA_DEVICE("matmul / bmm on a GPU");
   for (bool ta : {false, true}) {

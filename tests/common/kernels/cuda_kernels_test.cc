@@ -1,11 +1,15 @@
 // The CUDA kernels against the CPU kernels (themselves checked against double references in the other
 // test files). Every test skips, with the reason, when no CUDA device is usable at run time.
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cmath>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/elementwise.h"
 #include "common/kernels/gemm.h"
@@ -324,6 +328,56 @@ TEST(CudaKernelsTest, MatmulAtReducedPrecisionMultipliesRoundedOperands) {
     cuda::gemm_strided_batched(kGpu, false, true, t, t, hs, 1.f, gqkv.data<float>(), 3 * c, hs,
                                gqkv.data<float>() + c, 3 * c, hs, 0.f, gs.data<float>(), t, t * t, heads, p);
     ExpectRoundedProduct(narrow, ToCpu(gs, DType::f32).to_vector(), heads_product(Rounded(qkv, narrow)), exact_s);
+  }
+}
+
+// A product on copies made by pack_bf16 (Note [bf16 copies kept across a linear's GEMMs] in
+// common/autograd/ops/linalg.cc) gives the bits gemm gives at medium, which makes the same copies itself: every
+// transpose, C staged (n = 523) or not, beta 0 and 1, a source with a leading dimension wider than its rows. A
+// product that would not run on copies is refused where the call is made.
+TEST(CudaKernelsTest, GemmOnBf16CopiesGivesGemmsBitsAtMedium) {
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
+  Generator gen(12);
+  // The packed copy of the rows x cols matrix at x's start, its rows `ld` apart.
+  auto packed = [](const Tensor& x, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+    Tensor copy = Tensor::empty({cuda::round_up_to_pad(rows), cuda::round_up_to_pad(cols)}, OnGpu(DType::bf16));
+    cuda::pack_bf16(kGpu, x.data<float>(), rows, cols, ld, copy.raw_data());
+    return copy;
+  };
+  for (const auto& [m, n, k] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{600, 523, 131},
+                                {520, 768, 300}, {1030, 520, 77}}) {
+    ASSERT_TRUE(cuda::medium_gemm_runs_on_bf16_copies(m, n, k));
+    for (const auto& [ta, tb] : {std::pair<bool, bool>{false, false}, {false, true}, {true, false}, {true, true}}) {
+      for (const float beta : {0.f, 1.f}) {
+        SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k << " ta=" << ta << " tb=" << tb
+                                          << " beta=" << beta);
+        const std::int64_t a_rows = ta ? k : m, a_cols = ta ? m : k, b_rows = tb ? n : k, b_cols = tb ? k : n;
+        const Tensor a = ToGpu(Tensor::uniform({a_rows, a_cols + 3}, gen, -1, 1));  // ld = cols + 3
+        const Tensor b = ToGpu(Tensor::uniform({b_rows, b_cols}, gen, -1, 1));
+        const Tensor c0 = Tensor::uniform({m, n}, gen, -1, 1);
+        const Tensor want = ToGpu(c0), got = ToGpu(c0);
+        cuda::gemm(kGpu, ta, tb, m, n, k, 0.75f, a.data<float>(), a_cols + 3, b.data<float>(), b_cols, beta,
+                   want.data<float>(), n, MatmulPrecision::medium);
+        const Tensor a16 = packed(a, a_rows, a_cols, a_cols + 3), b16 = packed(b, b_rows, b_cols, b_cols);
+        cuda::gemm_on_bf16_copies(kGpu, ta, tb, m, n, k, 0.75f, a16.raw_data(), b16.raw_data(), beta,
+                                  got.data<float>(), n);
+        const std::vector<float> w = ToCpu(want, DType::f32).to_vector(), g = ToCpu(got, DType::f32).to_vector();
+        ASSERT_EQ(g.size(), w.size());
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(g[i]), std::bit_cast<std::uint32_t>(w[i])) << i;
+        }
+      }
+    }
+  }
+  const Tensor x = Tensor::empty({8, 128}, OnGpu(DType::bf16));
+  const Tensor c = Tensor::empty({96, 77}, OnGpu(DType::f32));
+  ASSERT_FALSE(cuda::medium_gemm_runs_on_bf16_copies(96, 77, 64));
+  try {
+    cuda::gemm_on_bf16_copies(kGpu, false, false, 96, 77, 64, 1.f, x.raw_data(), x.raw_data(), 0.f, c.data<float>(),
+                              77);
+    ADD_FAILURE() << "a product that does not run on bf16 copies was accepted";
+  } catch (const InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a product that runs on bf16 copies"), std::string::npos) << e.what();
   }
 }
 

@@ -43,6 +43,7 @@
 #include <bit>
 #include <cstdint>
 
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/gemm.h"
 #include "common/optim/cuda/cuda_optim_kernels.h"
@@ -288,6 +289,53 @@ void GemmStridedBatched(Device device, bool trans_a, bool trans_b, std::int64_t 
     Sgemm(trans_b, trans_a, n, m, k, alpha, b + i * stride_b, ldb, a + i * stride_a, lda, beta, c + i * stride_c, ldc,
           precision, "cublasSgemmStridedBatched");
   }
+}
+
+// The packed bf16 copy (Note [padded bf16 copies] in common/kernels/cuda/bf16_gemm_plan.h): rows x cols rounded up to
+// multiples of 8, zeros beyond.
+void PackBf16(Device device, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, void* dst) {
+  if (rows < 0 || cols < 0 || ld < std::max<std::int64_t>(1, cols)) Fail("pack_bf16: bad shape");
+  if (rows == 0 || cols == 0) return;
+  Guard(device);
+  Open o;
+  const std::int64_t pad_cols = kernels::cuda::round_up_to_pad(cols);
+  Dev(src, static_cast<std::size_t>((rows - 1) * ld + cols) * 4, "pack_bf16 src");
+  Dev(dst, static_cast<std::size_t>(kernels::cuda::packed_bf16_numel(rows, cols)) * 2, "pack_bf16 dst");
+  auto* out = static_cast<bf16_t*>(dst);
+  for (std::int64_t i = 0; i < kernels::cuda::round_up_to_pad(rows); ++i) {
+    for (std::int64_t j = 0; j < pad_cols; ++j) {
+      out[i * pad_cols + j] = f32_to_bf16(i < rows && j < cols ? src[i * ld + j] : 0.f);
+    }
+  }
+}
+
+// cublasGemmEx on the copies: the operands widened back to fp32 as stored (leading dimension: the copy's padded
+// width), then the CPU GEMM as Sgemm runs a "medium" product on bf16-rounded operands.
+void GemmOnBf16Copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                      float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc) {
+  if (m < 1 || n < 1 || k < 1 || !kernels::cuda::medium_gemm_runs_on_bf16_copies(m, n, k) || ldc < n) {
+    Fail("gemm_on_bf16_copies: not a product that runs on bf16 copies");
+  }
+  Guard(device);
+  Open o;
+  Dev(c, static_cast<std::size_t>((m - 1) * ldc + n) * 4, "gemm_on_bf16_copies C");
+  if (alpha == 0.f) {
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
+    return;
+  }
+  auto widen = [](const void* p, std::int64_t rows, std::int64_t cols, const char* what) {
+    const std::int64_t numel = kernels::cuda::packed_bf16_numel(rows, cols);
+    Dev(p, static_cast<std::size_t>(numel) * 2, what);
+    std::vector<float> v(static_cast<std::size_t>(numel));
+    for (std::int64_t i = 0; i < numel; ++i) v[static_cast<std::size_t>(i)] = bf16_to_f32(static_cast<const bf16_t*>(p)[i]);
+    return v;
+  };
+  const std::vector<float> a = trans_a ? widen(a16, k, m, "gemm A") : widen(a16, m, k, "gemm A");
+  const std::vector<float> b = trans_b ? widen(b16, n, k, "gemm B") : widen(b16, k, n, "gemm B");
+  const std::int64_t lda = kernels::cuda::round_up_to_pad(trans_a ? m : k);
+  const std::int64_t ldb = kernels::cuda::round_up_to_pad(trans_b ? k : n);
+  kernels::gemm(trans_a, trans_b, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, c, ldc);
 }
 
 std::string CublasError() { return ""; }
@@ -715,7 +763,8 @@ constexpr detail::CudaMemoryOps kMemory{.allocate = &Allocate, .free = &Free, .z
                                          .synchronize = &detail::cuda_impl::cuda_synchronize,
                                          .host_alloc = &HostAlloc, .host_free = &HostFree};
 constexpr kernels::cuda::CudaKernelOps kKernels{
-    .gemm = &Defer<&Gemm>::run, .cublas_load_error = &CublasError, .sum = &Synced<&Sum>::run,
+    .gemm = &Defer<&Gemm>::run, .pack_bf16 = &Defer<&PackBf16>::run,
+    .gemm_on_bf16_copies = &Defer<&GemmOnBf16Copies>::run, .cublas_load_error = &CublasError, .sum = &Synced<&Sum>::run,
     .sum_squares = &Synced<&SumSq>::run, .max_abs = &Synced<&MaxAbs>::run,
     .add = &Defer<&Add>::run, .sub = &Defer<&Sub>::run, .mul = &Defer<&Mul>::run, .scale = &Defer<&Scale>::run,
     .axpy = &Defer<&Axpy>::run, .axpby = &Defer<&Axpby>::run, .fill = &Defer<&Fill>::run,
