@@ -16,6 +16,24 @@ std::string join_name(const std::string& prefix, const std::string& name) {
 
 // The parameters a fully_shard call on `module` manages (see fully_shard.h), grouped by tensor: every
 // registration of a tensor in the subtree together, in named_parameters() order.
+// The parameters of `module`'s subtree that this call leaves whole because they are frozen (requires_grad false),
+// each once under its first name; not those of nested units, ignored_params or leave_to_ancestor.
+std::vector<FrozenParam> frozen_at_call(nn::Module& module, const FullyShardOptions& options) {
+  std::set<const TensorImpl*> skip;
+  for (const auto& [name, m] : module.named_modules()) {
+    const FSDPState* nested = state_attached(*m);
+    if (nested == nullptr || nested->param_group() == nullptr) continue;
+    for (const FSDPParam& p : nested->param_group()->params()) skip.insert(p.sharded.id()), skip.insert(p.unsharded.id());
+  }
+  for (const Tensor& t : options.ignored_params) skip.insert(t.id());
+  for (const Tensor& t : options.leave_to_ancestor) skip.insert(t.id());
+  std::vector<FrozenParam> out;
+  for (const auto& [name, t] : module.named_parameters()) {
+    if (!t.requires_grad() && skip.insert(t.id()).second) out.push_back({name, t});
+  }
+  return out;
+}
+
 absl::StatusOr<std::vector<FSDPParam>> params_to_manage(nn::Module& module, const FullyShardOptions& options) {
   std::set<const TensorImpl*> skip;
   for (const auto& [name, m] : module.named_modules()) {
@@ -94,6 +112,7 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   }
   auto params = params_to_manage(module, options);
   if (!params.ok()) return params.status();
+  std::vector<FrozenParam> frozen = frozen_at_call(module, options);
   std::vector<Tensor> originals;
   for (const FSDPParam& p : *params) originals.push_back(p.registrations.front().first->parameter(p.registrations.front().second));
   for (std::size_t i = 1; i < originals.size(); ++i) {  // Note [unit on a device] in param_group.cc
@@ -120,6 +139,7 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
     if (t.offset_bytes() == 0 && t.storage()->nbytes() == t.nbytes() && !t.storage_released()) t.release_storage();
   }
   auto state = std::make_shared<FSDPState>(module, std::move(group), std::move(options), std::move(pg));
+  state->set_frozen_at_call(std::move(frozen));
   module.set_attachment(kFsdpAttachment, std::move(state));
   return state_of(module);
 }

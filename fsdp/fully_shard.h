@@ -41,7 +41,9 @@
 //     the root's forward must be under the root;
 //   * every rank runs the same units in forward (parameters unused inside a unit are fine);
 //   * frozen parameters (requires_grad false at the call) and FullyShardOptions::ignored_params stay whole and
-//     replicated; FSDP neither shards nor reduces them.
+//     replicated; FSDP neither shards nor reduces them. Unfreezing such a parameter later is refused: the unit's
+//     next forward fails with FailedPrecondition naming it (Note [unfrozen after fully_shard] in state.cc), since
+//     each rank would step its own gradient. A parameter frozen after the call is sharded and may be unfrozen.
 //
 // Thread-safety: one rank's thread. Collectives: unshard, the forward and backward hooks, clip_grad_norm,
 // the state dicts.
