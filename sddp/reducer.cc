@@ -86,6 +86,19 @@ Reducer::Reducer(ReduceStrategy strategy, std::vector<ReducerParam> params, std:
                                           << device_.str();
   }
   piece_grads_.resize(pieces_.size());
+  for (const FlatPiece& fp : pieces_) {
+    int owner = -1;
+    for (std::size_t i = 0; i < params_.size() && owner < 0; ++i) {
+      const ReducerParam& rp = params_[i];
+      if (rp.space == fp.space && rp.flat_offset <= fp.flat_offset &&
+          fp.flat_offset + fp.length <= rp.flat_offset + rp.param.numel()) {
+        owner = static_cast<int>(i);
+      }
+    }
+    SK_CHECK_GE(owner, 0) << "a flat piece at " << fp.flat_offset << " of space " << fp.space
+                          << " is not a slice of one parameter";
+    piece_param_.push_back(owner);
+  }
   std::vector<int> order(params_.size());
   std::iota(order.begin(), order.end(), 0);
   std::reverse(order.begin(), order.end());  // expected ready order before anything is observed
@@ -265,6 +278,7 @@ std::vector<int> Reducer::bucket_params(std::size_t b) const {
 void Reducer::begin_backward() {
   in_backward_ = true;
   ready_.assign(params_.size(), 0);
+  had_grad_.assign(params_.size(), 0);
   observed_order_.clear();
   next_launch_ = 0;
   in_flight_.clear();
@@ -313,6 +327,7 @@ void Reducer::mark_ready(int index) {
 void Reducer::copy_in(int index) {
   const ReducerParam& rp = params_[static_cast<std::size_t>(index)];
   Tensor g = rp.param.grad();
+  had_grad_[static_cast<std::size_t>(index)] = g.defined() ? 1 : 0;
   if (!g.defined()) {
     g = Tensor::zeros(rp.param.shape(), TensorOptions{}
                                             .with_dtype(rp.param.dtype())
@@ -426,22 +441,62 @@ void Reducer::finalize() {
   launch_ready();
   SK_CHECK_EQ(next_launch_, buckets_.size()) << "buckets left unlaunched";
   const absl::Time t0 = absl::Now();
-  while (!in_flight_.empty()) finish_oldest();
+  const std::vector<char> used = used_anywhere();  // issued after every bucket, waited for after them
   current_.final_wait = absl::Now() - t0;
   current_.hooks = hooks;
   // Overlapped: issued from a hook that was not the last one of the backward.
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     if (launched_at_hook_[b] >= 0 && launched_at_hook_[b] < hooks) current_.overlapped_bytes += buckets_[b].grad_bytes;
   }
-  deliver_pieces();
+  if (!is_flat(strategy_)) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!used[i]) params_[i].param.set_grad(Tensor());  // the zeros it went in as (Note [parameters no rank used])
+    }
+  }
+  deliver_pieces(used);
   if (options_.rebuild_buckets && !rebuilt_ && autograd::is_backward_running()) rebuild_from_observed();
   stats_ = current_;
   in_backward_ = false;
 }
 
-void Reducer::deliver_pieces() {
+// Note [parameters no rank used]
+// Every rank issues every bucket, so a parameter that got no gradient on a rank goes in as zeros (copy_in): the
+// others may have used it, and the average over ranks is then right. But when no rank used it, single-rank
+// training leaves its gradient undefined and the optimizer skips it, where a zero gradient would still move it
+// (weight decay, Adam's moments, momentum): a helper's audit found DDP, OSS + DDP and ShardedDDP stepping such a
+// parameter (tests/sddp/sddp_combo_test.cc, a head used in some steps only). So after the last bucket each backward
+// all-reduces (max) one flag per parameter, "had a gradient here" (accumulated over no_sync backwards too), and a
+// parameter no rank used ends the backward without a gradient: the zeros it was given are dropped, and its flat
+// pieces are not delivered. PyTorch's DDP does the same with find_unused_parameters (a globally unused parameter's
+// grad is left untouched). The flags are one small collective per backward (a flag per parameter, in the reduce
+// dtype, so mixed precision still halves every byte sent), issued after every bucket, so every rank issues the
+// collectives in the same order; they travel on the parameters' device (NCCL moves only device tensors) and are read
+// back on the host once the buckets are done.
+std::vector<char> Reducer::used_anywhere() {
+  const auto n = static_cast<std::int64_t>(params_.size());
+  std::shared_ptr<comm::Work> work;
+  Tensor flags;
+  if (world_ > 1 && n > 0) {
+    std::vector<float> mine(had_grad_.begin(), had_grad_.end());
+    flags = Tensor::from_vector(mine, {n}, TensorOptions{}.with_category(MemoryCategory::communication_buffer))
+                .to(options_.reduce_dtype.value_or(DType::f32), MemoryCategory::communication_buffer)
+                .to(device_, MemoryCategory::communication_buffer);
+    work = pg_->all_reduce(flags, {.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = "used parameters"});
+  }
+  while (!in_flight_.empty()) finish_oldest();
+  if (work == nullptr) return had_grad_;
+  if (absl::Status s = work->wait(); !s.ok()) throw ReducerError(std::move(s));
+  const std::vector<float> any =
+      flags.to(Device::cpu(), MemoryCategory::communication_buffer).to(DType::f32, MemoryCategory::communication_buffer).to_vector();
+  std::vector<char> used(params_.size());
+  for (std::size_t i = 0; i < used.size(); ++i) used[i] = any[i] > 0.f ? 1 : 0;
+  return used;
+}
+
+void Reducer::deliver_pieces(const std::vector<char>& used) {
   for (std::size_t k = 0; k < pieces_.size(); ++k) {
     Tensor grad = std::exchange(piece_grads_[k], Tensor());  // handed over: the receiver owns it
+    if (!used[static_cast<std::size_t>(piece_param_[k])]) continue;  // Note [parameters no rank used]
     if (grad.defined() && pieces_[k].deliver) pieces_[k].deliver(grad);
   }
 }

@@ -193,7 +193,9 @@ class Reducer {
   void finish_oldest();
   void finish(int b);
   void finalize();
-  void deliver_pieces();
+  // Note [parameters no rank used] in reducer.cc: which parameters some rank had a gradient for in this backward.
+  std::vector<char> used_anywhere();
+  void deliver_pieces(const std::vector<char>& used);
   void rebuild_from_observed();
   absl::Duration timeout() const;
 
@@ -202,6 +204,7 @@ class Reducer {
   std::vector<oss::FlatChunk> spaces_;
   std::vector<FlatPiece> pieces_;
   std::vector<Tensor> piece_grads_;  // flat strategies, during a backward only: filled, then handed over
+  std::vector<int> piece_param_;     // the parameter each piece is a slice of (a piece never spans two)
   std::shared_ptr<comm::ProcessGroup> pg_;
   ReducerOptions options_;
   int rank_ = 0, world_ = 1;
@@ -216,6 +219,7 @@ class Reducer {
   // per backward
   bool in_backward_ = false;
   std::vector<char> ready_;
+  std::vector<char> had_grad_;  // the parameter had a gradient when it went into its bucket (Note [parameters no rank used])
   std::vector<int> observed_order_;
   std::size_t next_launch_ = 0;
   std::vector<int> in_flight_;  // launched, not yet finished, in launch order

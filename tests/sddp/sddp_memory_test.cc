@@ -39,6 +39,7 @@ struct Measured {
   std::int64_t comm_after = 0;     // communication-buffer bytes after backward
   std::int64_t comm_peak = 0;      // communication-buffer bytes peak during backward
   std::int64_t model_state = 0;    // parameter + gradient + optimizer state bytes after backward (all held)
+  std::int64_t flags_sent = 0;     // bytes of the "used" flags' all_reduce (Note [parameters no rank used])
   std::int64_t grad_sent = 0;      // bytes sent by gradient collectives in one step
   std::int64_t total_sent = 0;     // bytes sent in one step (gradients + parameter sync)
   double overlap = 0;
@@ -96,6 +97,7 @@ std::vector<Measured> Measure(Kind kind, int world) {
       if (absl::Status s = plain ? plain->step() : oss->step(); !s.ok()) return s;
       m.grad_after_step = mem.current(MemoryCategory::gradient);
       m.grad_sent = after_backward.since(before).total_sent();
+      m.flags_sent = 2 * (world - 1) * static_cast<std::int64_t>(model.parameters().size()) * 4 / world;
       m.total_sent = env.group.counters().since(before).total_sent();
     }
     // Note [training step contract]: the optimizer's zero_grad() is the one call that drops every gradient,
@@ -180,19 +182,22 @@ TEST_P(SddpMemory, BytesSentPerStepAreTheTwoPsiVolume) {
     sum += m.total_sent;
     grad_sum += m.grad_sent;
     if (kind == Kind::greedy || kind == Kind::flat_owner) {
-      EXPECT_EQ(m.grad_sent, (m.psi - m.owned) * 4) << "rank " << r;
+      EXPECT_EQ(m.grad_sent, (m.psi - m.owned) * 4 + m.flags_sent) << "rank " << r;
     } else {
-      EXPECT_EQ(m.total_sent, 2 * (world - 1) * m.padded_psi * 4 / world) << "rank " << r;
+      EXPECT_EQ(m.total_sent, 2 * (world - 1) * m.padded_psi * 4 / world + m.flags_sent) << "rank " << r;
     }
   }
+  // Besides the 2Ψ volume: one f32 flag per parameter all-reduced each backward (Note [parameters no rank used] in
+  // sddp/reducer.cc).
+  const std::int64_t flags = world * ms[0].flags_sent;
   // Flat collectives carry each chunk's padding (at most world - 1 elements per chunk): the flat
   // reduce-scatter and the all_gather send the padded Ψ, reduce-to-owner sends no padding.
   const std::int64_t psi = ms[0].psi, padded = ms[0].padded_psi;
   EXPECT_LE(padded - psi, (world - 1) * 64) << "padding";
   const std::int64_t grad_psi = kind == Kind::flat ? padded : psi;
-  EXPECT_EQ(sum, (world - 1) * (grad_psi + padded) * 4);
+  EXPECT_EQ(sum, (world - 1) * (grad_psi + padded) * 4 + flags);
   if (kind != Kind::ddp) {
-    EXPECT_EQ(grad_sum, (world - 1) * grad_psi * 4);
+    EXPECT_EQ(grad_sum, (world - 1) * grad_psi * 4 + flags);
   }
 }
 

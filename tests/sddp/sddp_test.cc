@@ -362,8 +362,12 @@ TEST(ReduceDtype, F16HalvesGradientBytesAndStaysClose) {
       return absl::OkStatus();
     });
     ASSERT_TRUE(st.ok()) << st;
-    const std::int64_t psi = nn::GPT(TinyConfig(), 1).num_parameters();
-    EXPECT_EQ(grad_sent[0] + grad_sent[1], psi * 2) << "f16: (n-1)·Ψ·2 bytes over both ranks";
+    const nn::GPT reference(TinyConfig(), 1);
+    const std::int64_t psi = reference.num_parameters();
+    // Plus each rank's all_reduce of one f16 "used" flag per parameter (Note [parameters no rank used] in
+    // sddp/reducer.cc): 2 (n-1) / n · 2 bytes each.
+    const auto flags = static_cast<std::int64_t>(reference.parameters().size()) * 2;
+    EXPECT_EQ(grad_sent[0] + grad_sent[1], psi * 2 + 2 * flags) << "f16: (n-1)·Ψ·2 bytes over both ranks";
     test_util::ExpectMatches(got, want, 2e-3);
   }
 }
