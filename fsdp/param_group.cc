@@ -337,6 +337,9 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
   pending.divide_factor = divide_factor;
   pending.all_reduce_replicas = all_reduce_replicas;
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
+  // Which parameters had a gradient on this rank (Note [parameters no rank used], below).
+  std::vector<float> had_grad;
+  for (const FSDPParam& p : params_) had_grad.push_back(p.unsharded.grad().defined() ? 1.f : 0.f);
   // Own reduce_scatters are issued in parameter order after the shared one (Note [own collectives]).
   std::vector<std::pair<const FSDPParam*, Tensor>> own_inputs;
   for (FSDPParam& p : params_) {
@@ -368,8 +371,34 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
         pending.out.view(p->shard_offset, {p->padded_numel()}), g.view(0, {g.numel()}),
         {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_, " ", p->names.front())}));
   }
+  pending.used = Tensor::from_vector(had_grad, {static_cast<std::int64_t>(had_grad.size())},
+                                     TensorOptions{}.with_category(MemoryCategory::communication_buffer))
+                     .to(rd, MemoryCategory::communication_buffer)
+                     .to(device_, MemoryCategory::communication_buffer);
+  if (world > 1) {
+    pending.works.push_back(pg_->all_reduce(pending.used, {.op = comm::ReduceOp::max(), .timeout = timeout(),
+                                                           .tag = absl::StrCat("fsdp used parameters ", name_)}));
+  }
   pending_reduce_ = std::move(pending);
   return absl::OkStatus();
+}
+
+// Note [parameters no rank used]
+// A parameter that got no gradient on a rank goes into the reduce_scatter as zeros: another rank may have used it,
+// and the average is then right. But when no rank used it, single-rank training leaves its gradient undefined and
+// the optimizer skips it, where a zero gradient would still move it (weight decay, Adam's moments, momentum): a
+// helper's audit found FSDP stepping such a parameter (tests/fsdp/fsdp_combo_test.cc, a head used in some steps
+// only; sddp/reducer.cc has the same Note for DDP and ShardedDDP). FSDP2 reduces only the gradients that exist. So
+// each reduction also all-reduces (max) one flag per parameter, "had a gradient here", over the shard group (and
+// over the replicas under HSDP, accumulated with the rows when their all-reduce is deferred), issued after the
+// reduce_scatters; a parameter whose shard has no gradient yet and that no rank used gets none. One where a
+// gradient is accumulating keeps adding zeros, which changes nothing.
+std::vector<char> ParamGroup::used_flags(const Tensor& used) const {
+  const std::vector<float> any =
+      used.to(Device::cpu(), MemoryCategory::communication_buffer).to(DType::f32, MemoryCategory::communication_buffer).to_vector();
+  std::vector<char> out(any.size());
+  for (std::size_t i = 0; i < any.size(); ++i) out[i] = any[i] > 0.f ? 1 : 0;
+  return out;
 }
 
 absl::Status ParamGroup::finish_reduce_grads() {
@@ -381,21 +410,40 @@ absl::Status ParamGroup::finish_reduce_grads() {
     if (absl::Status st = w->wait(); wst.ok()) wst = st;
   }
   if (!wst.ok()) return wst;
+  std::vector<char> used = used_flags(pending.used);  // Note [parameters no rank used]
   // The reduced rows land f32 (Note [mixed precision on f32 ops]).
   Tensor out = pending.out.dtype() == DType::f32 ? pending.out : pending.out.to(DType::f32, MemoryCategory::gradient);
   pending.out = Tensor();
   if (replicate_ != nullptr) {  // Note [hybrid sharding]
+    if (!partial_used_.empty()) {
+      for (std::size_t i = 0; i < used.size(); ++i) used[i] = used[i] || partial_used_[i];
+    }
     if (!pending.all_reduce_replicas) {
       if (partial_.defined()) {
         kernels::add(partial_, out, partial_);
       } else {
         partial_ = out;
       }
+      partial_used_ = std::move(used);
       return absl::OkStatus();
     }
+    partial_used_.clear();
     if (partial_.defined()) {
       kernels::add(out, partial_, out);
       partial_ = Tensor();
+    }
+    if (replicate_->size() > 1) {  // the flags over the replicas too
+      std::vector<float> mine(used.begin(), used.end());
+      const Tensor flags = Tensor::from_vector(mine, {static_cast<std::int64_t>(mine.size())},
+                                               TensorOptions{}.with_category(MemoryCategory::communication_buffer))
+                               .to(device_, MemoryCategory::communication_buffer);
+      if (absl::Status st = replicate_->all_reduce(flags, {.op = comm::ReduceOp::max(), .timeout = timeout(),
+                                                          .tag = absl::StrCat("fsdp used parameters (replicas) ", name_)})
+                                ->wait();
+          !st.ok()) {
+        return st;
+      }
+      used = used_flags(flags);
     }
     const comm::ReduceOp op = pending.divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
     if (absl::Status st = replicate_->all_reduce(out, {.op = op, .timeout = timeout(),
@@ -409,14 +457,15 @@ absl::Status ParamGroup::finish_reduce_grads() {
     kernels::scale(static_cast<float>(1.0 / *pending.divide_factor), out, out);
   }
   if (offload_) out = out.to(Device::cpu(), MemoryCategory::gradient);  // Note [cpu offload]
-  for (FSDPParam& p : params_) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    FSDPParam& p = params_[i];
     if (!p.sharded.requires_grad()) continue;  // frozen: the optimizer must not step it
     const Tensor mine = out.view(p.shard_offset, p.local_shape);
     if (const Tensor acc = p.sharded.grad(); acc.defined()) {  // accumulation over several backwards
       kernels::add(acc, mine, acc);
-    } else {
+    } else if (used[i]) {
       p.sharded.set_grad(mine);
-    }
+    }  // else no rank used it: no gradient, as on one rank (Note [parameters no rank used])
   }
   return absl::OkStatus();
 }

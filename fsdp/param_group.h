@@ -138,6 +138,7 @@ class ParamGroup {
   std::shared_ptr<comm::ProcessGroup> pg_;
   std::shared_ptr<comm::ProcessGroup> replicate_;  // HSDP, else nullptr
   Tensor partial_;  // HSDP: reduced rows not all-reduced yet (set_requires_all_reduce(false)), or undefined
+  std::vector<char> partial_used_;  // HSDP: with partial_, which parameters some rank of the shard group used
   std::optional<absl::Duration> timeout_;
   MixedPrecisionPolicy mp_;
   Device device_ = Device::cpu();  // the parameters' (Note [unit on a device])
@@ -159,10 +160,13 @@ class ParamGroup {
   struct PendingReduce {
     std::vector<std::shared_ptr<comm::Work>> works;
     Tensor out;  // [S], the reduced rows of every parameter
+    Tensor used;  // one flag per parameter: some rank of the group had its gradient (Note [parameters no rank used])
     std::optional<double> divide_factor;
     bool all_reduce_replicas = true;
   };
   std::optional<PendingReduce> pending_reduce_;
+  // Note [parameters no rank used] in param_group.cc: the all-reduced flags, read on the host.
+  std::vector<char> used_flags(const Tensor& used) const;
 };
 
 }  // namespace shardkit::fsdp

@@ -637,7 +637,8 @@ TEST(FsdpErrors, ReshardInsideAForwardNamesBothStates) {
 
 // Bytes sent per rank per step, exactly (Note [ring-equivalent volume]): every unit all-gathered before its forward
 // ((N-1)·4S), the blocks again before their backward (reshard_after_forward true; the root keeps its parameters),
-// every unit's gradients reduce-scattered ((N-1)·4S): the 3Ψ class, and 2Ψ with reshard_after_forward false.
+// every unit's gradients reduce-scattered ((N-1)·4S): the 3Ψ class, and 2Ψ with reshard_after_forward false; plus
+// one small all_reduce per unit of a flag per parameter.
 // Own collectives (Note [own collectives], every parameter without padding: min numel 1) move the same bytes in
 // more calls; with INT64_MAX every unit makes one all_gather per pass.
 TEST(FsdpComm, BytesPerStepAreTheThreePsiClass) {
@@ -650,8 +651,13 @@ TEST(FsdpComm, BytesPerStepAreTheThreePsiClass) {
       if (absl::Status s = test_util::ShardGpt(model, env, options); !s.ok()) return s;
       const std::int64_t units = static_cast<std::int64_t>(modules_of_type(model, "TransformerBlock").size()) + 1;
       std::int64_t all = 0, blocks = 0;  // S summed over units (padding included)
-      for (nn::Module* m : modules_of_type(model, "TransformerBlock")) blocks += state_of(*m)->state().param_group()->shard_numel();
+      std::int64_t flags = 0;  // per unit, the all_reduce of a 4-byte "used" flag per parameter: 2 (N - 1) / N each
+      for (nn::Module* m : modules_of_type(model, "TransformerBlock")) {
+        blocks += state_of(*m)->state().param_group()->shard_numel();
+        flags += 2 * 3 * 4 * static_cast<std::int64_t>(state_of(*m)->state().param_group()->params().size()) / 4;
+      }
       all = blocks + state_of(model)->state().param_group()->shard_numel();
+      flags += 2 * 3 * 4 * static_cast<std::int64_t>(state_of(model)->state().param_group()->params().size()) / 4;
       auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
       auto [x, y] = Batch(0, env.rank * 6, 6);
       const auto before = env.group.counters();
@@ -659,8 +665,9 @@ TEST(FsdpComm, BytesPerStepAreTheThreePsiClass) {
       if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;
       if (absl::Status s = (*opt)->step(); !s.ok()) return s;
       const comm::CommCounters step = env.group.counters().since(before);
-      // (N - 1) = 3 ranks' worth of 4-byte elements: forward gathers, backward regathers, reduce-scatters.
-      EXPECT_EQ(step.total_sent(), 3 * 4 * (all + (reshard ? blocks : 0) + all)) << "reshard " << reshard;
+      // (N - 1) = 3 ranks' worth of 4-byte elements: forward gathers, backward regathers, reduce-scatters; and
+      // each unit's flags (Note [parameters no rank used] in fsdp/param_group.cc).
+      EXPECT_EQ(step.total_sent(), 3 * 4 * (all + (reshard ? blocks : 0) + all) + flags) << "reshard " << reshard;
       const std::int64_t gathers = step.of(comm::CollectiveKind::all_gather).calls;
       const std::int64_t unit_gathers = units + (reshard ? units - 1 : 0);
       if (own_min == INT64_MAX) {
