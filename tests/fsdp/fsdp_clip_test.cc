@@ -17,7 +17,9 @@ using gpt_tiny::TinyConfig;
 
 constexpr double kMaxNorm = 0.05;
 
-// SGD with momentum: its update is proportional to the gradient, so a clip that scales nothing shows.
+// SGD: its update is proportional to the gradient, so a clip that scales nothing shows. (The groups below and the
+// reference's carry AdamW::default_hyper(), which replaces this factory's defaults: plain SGD at lr 1e-3, no
+// momentum.)
 optim::OptimizerFactory ClipSgd() { return optim::Sgd::factory({.lr = 0.1, .momentum = 0.9}); }
 
 class FsdpClip : public ::testing::TestWithParam<std::tuple<int, bool>> {};

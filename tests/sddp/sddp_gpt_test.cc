@@ -309,9 +309,10 @@ INSTANTIATE_TEST_SUITE_P(Modes, SddpGptOptions,
 
 // Gradient clipping in every partition policy x reducer strategy: clip_grad_norm scales exactly the gradients
 // the next step() uses (with ShardedDDP's flat reduce-scatter these are the owned slices handed over with
-// set_piece_grad, not the module's released gradients). SGD with momentum, whose update is proportional to
-// the gradient, so a clip that scales nothing shows in the parameters (AdamW would hide it: its update does
-// not depend on the gradient's scale). Each step: the norm before clipping is above max_norm (the clip
+// set_piece_grad, not the module's released gradients). SGD, whose update is proportional to the gradient, so
+// a clip that scales nothing shows in the parameters (AdamW would hide it: its update does not depend on the
+// gradient's scale). The groups (Trainer::make) and the reference carry AdamW::default_hyper(), which replaces
+// ClipSgd's defaults: plain SGD at lr 1e-3, no momentum. Each step: the norm before clipping is above max_norm (the clip
 // acts), a second clip_grad_norm finds the norm at most max_norm, and 12 steps equal single-rank training
 // with clipping on the whole batch.
 class SddpClip : public ::testing::TestWithParam<std::tuple<int, Mode>> {};
