@@ -14,11 +14,9 @@ std::string join_name(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
 }
 
-// The parameters a fully_shard call on `module` manages (see fully_shard.h), grouped by tensor: every
-// registration of a tensor in the subtree together, in named_parameters() order.
-// The parameters of `module`'s subtree that this call leaves whole because they are frozen (requires_grad false),
-// each once under its first name; not those of nested units, ignored_params or leave_to_ancestor.
-std::vector<FrozenParam> frozen_at_call(nn::Module& module, const FullyShardOptions& options) {
+// Parameters of `module`'s subtree that are not this call's to take, frozen or not: those of nested units,
+// ignored_params, and leave_to_ancestor (an ancestor's call takes them).
+std::set<const TensorImpl*> not_this_calls(nn::Module& module, const FullyShardOptions& options) {
   std::set<const TensorImpl*> skip;
   for (const auto& [name, m] : module.named_modules()) {
     const FSDPState* nested = state_attached(*m);
@@ -27,6 +25,13 @@ std::vector<FrozenParam> frozen_at_call(nn::Module& module, const FullyShardOpti
   }
   for (const Tensor& t : options.ignored_params) skip.insert(t.id());
   for (const Tensor& t : options.leave_to_ancestor) skip.insert(t.id());
+  return skip;
+}
+
+// The parameters of `module`'s subtree that this call leaves whole because they are frozen (requires_grad false),
+// each once under its first name.
+std::vector<FrozenParam> frozen_at_call(nn::Module& module, const FullyShardOptions& options) {
+  std::set<const TensorImpl*> skip = not_this_calls(module, options);
   std::vector<FrozenParam> out;
   for (const auto& [name, t] : module.named_parameters()) {
     if (!t.requires_grad() && skip.insert(t.id()).second) out.push_back({name, t});
@@ -34,15 +39,10 @@ std::vector<FrozenParam> frozen_at_call(nn::Module& module, const FullyShardOpti
   return out;
 }
 
+// The parameters a fully_shard call on `module` manages (see fully_shard.h), grouped by tensor: every
+// registration of a tensor in the subtree together, in named_parameters() order.
 absl::StatusOr<std::vector<FSDPParam>> params_to_manage(nn::Module& module, const FullyShardOptions& options) {
-  std::set<const TensorImpl*> skip;
-  for (const auto& [name, m] : module.named_modules()) {
-    const FSDPState* nested = state_attached(*m);
-    if (nested == nullptr || nested->param_group() == nullptr) continue;
-    for (const FSDPParam& p : nested->param_group()->params()) skip.insert(p.sharded.id()), skip.insert(p.unsharded.id());
-  }
-  for (const Tensor& t : options.ignored_params) skip.insert(t.id());
-  for (const Tensor& t : options.leave_to_ancestor) skip.insert(t.id());  // an ancestor's call takes them
+  const std::set<const TensorImpl*> skip = not_this_calls(module, options);
   std::vector<FSDPParam> out;
   std::map<const TensorImpl*, std::size_t> index;
   for (const auto& [mname, m] : module.named_modules()) {
