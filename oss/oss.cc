@@ -218,10 +218,19 @@ void Oss::zero_grad(bool set_to_none) {
     }
   }
   if (options_.policy == PartitionPolicy::flat) {
-    // Also the delivered slices, whatever set_to_none says (Note [delivered gradient slices]).
-    for (const Tensor& s : shards_) s.set_grad(Tensor());
+    // Also the delivered slices, whatever set_to_none says (Note [delivered gradient slices]); a piece that held
+    // a gradient keeps a zero one under set_to_none = false (Note [zero gradients of flat pieces]).
+    zero_grad_kept_.resize(local_.size(), false);
+    had_grad_.resize(local_.size(), false);
+    for (std::size_t k = 0; k < local_.size(); ++k) {
+      const bool holds = shards_[k].grad().defined() || external_grad_[k] || had_grad_[k];
+      zero_grad_kept_[k] = !set_to_none && (zero_grad_kept_[k] || holds);
+      had_grad_[k] = false;
+      shards_[k].set_grad(Tensor());
+    }
     external_grad_.assign(local_.size(), false);
   }
+  ++grad_generation_;
 }
 
 std::vector<Tensor> Oss::step_gradients() const {
@@ -248,14 +257,32 @@ void Oss::set_piece_grad(std::size_t k, const Tensor& grad) {
   external_grad_[k] = true;
 }
 
+// Note [zero gradients of flat pieces]
+// zero_grad(set_to_none = false) keeps every gradient tensor and zeroes it, so on one rank a parameter that takes no
+// part in the next backward still has a (zero) gradient and the optimizer still steps it (weight decay, moments).
+// A flat piece's gradient is a delivered slice (dropped by zero_grad whatever set_to_none says, Note [delivered
+// gradient slices]) or a view of its parameter's gradient, which ShardedDataParallel's flat strategies release
+// after every backward: either way nothing would be left. So zero_grad(false) remembers each piece that held a
+// gradient (zero_grad_kept_), and a step that finds such a piece with no gradient gives it zeros, as one rank
+// would step them; zero_grad(true) forgets. A helper's audit found the difference (tests/sddp/sddp_combo2_test.cc).
 void Oss::attach_shard_grads() {
   if (options_.policy != PartitionPolicy::flat) return;  // greedy shards are the parameters themselves
+  zero_grad_kept_.resize(local_.size(), false);
   for (std::size_t k = 0; k < local_.size(); ++k) {
     if (external_grad_[k]) continue;
     const OwnedPiece& piece = local_[k];
     const Tensor& p = groups_[static_cast<std::size_t>(piece.group)].params[static_cast<std::size_t>(piece.param)];
     const Tensor grad = p.grad();
-    shards_[k].set_grad(grad.defined() ? grad.view(piece.offset, {piece.length}) : Tensor());
+    if (grad.defined()) {
+      shards_[k].set_grad(grad.view(piece.offset, {piece.length}));
+    } else if (zero_grad_kept_[k] && shards_[k].requires_grad()) {
+      shards_[k].set_grad(Tensor::zeros({piece.length}, TensorOptions{}
+                                                            .with_dtype(shards_[k].dtype())
+                                                            .with_device(shards_[k].device())
+                                                            .with_category(MemoryCategory::gradient)));
+    } else {
+      shards_[k].set_grad(Tensor());
+    }
   }
 }
 
@@ -273,11 +300,16 @@ absl::Status Oss::step() {
     if (absl::Status s = inner_->step(); !s.ok()) return s;
   }
   external_grad_.assign(local_.size(), false);
+  ++grad_generation_;
   if (options_.policy == PartitionPolicy::flat) {
     // The pieces' gradients are views of (or were handed in for) this step only: drop them, so they do not
     // keep last step's gradient buffers alive through the next backward. A delivered slice has no other
     // owner, so this frees it (Note [delivered gradient slices]).
-    for (const Tensor& shard : shards_) shard.set_grad(Tensor());
+    had_grad_.resize(local_.size(), false);
+    for (std::size_t k = 0; k < local_.size(); ++k) {
+      had_grad_[k] = shards_[k].grad().defined();  // Note [zero gradients of flat pieces]
+      shards_[k].set_grad(Tensor());
+    }
   }
   return sync_params();
 }

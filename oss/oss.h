@@ -145,6 +145,10 @@ class Oss {
   // parameters' .grad; flat: each owned piece's delivered slice, else the matching view of its parameter's
   // .grad), undefined ones left out. For a grad scaler or a norm. Views and slices alias what step() reads.
   std::vector<Tensor> step_gradients() const;
+  // How many times step() (successfully) or zero_grad() ran: ShardedDataParallel tells by it a second
+  // synchronised backward onto gradients nothing consumed yet (Note [one synchronised backward per step] in
+  // sddp/data_parallel.cc).
+  std::int64_t grad_generation() const { return grad_generation_; }
   // Appends a group (partitioned on its own: existing ownership does not move). Every rank must call it
   // with the same parameters. Not a collective.
   absl::Status add_param_group(optim::ParamGroup group);
@@ -226,6 +230,11 @@ class Oss {
   std::unique_ptr<optim::Optimizer> inner_;
   std::vector<bool> trainable_;  // by global index, as last read
   std::vector<bool> external_grad_;  // parallel to local_: set_piece_grad() since the last step
+  // Parallel to local_ (flat): the piece holds a zero gradient, as a parameter whose gradient zero_grad(false)
+  // zeroed does (Note [zero gradients of flat pieces] in oss.cc).
+  std::vector<bool> zero_grad_kept_;
+  std::vector<bool> had_grad_;  // parallel to local_ (flat): the piece had a gradient at the last step()
+  std::int64_t grad_generation_ = 0;
   std::optional<optim::OptimizerStateDict> consolidated_;
   std::optional<optim::OptimizerStateDict> backup_;  // during load_state_dict only
 };

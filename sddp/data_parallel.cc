@@ -149,6 +149,22 @@ absl::StatusOr<std::unique_ptr<Reducer>> DataParallel::make_reducer(bool refresh
                     .max_buckets_in_flight = options_.max_buckets_in_flight,
                     .rebuild_buckets = true,
                     .timeout = options_.timeout};
+  // Note [one synchronised backward per step]
+  // DDP's reduction is an all_reduce into every rank's .grad, so a second synchronised backward before step()
+  // accumulates onto the averaged first one and averages again: the sum of both, as on one rank (and in PyTorch's
+  // DDP). ShardedDataParallel's ranks keep only their own share of what they reduced: greedy, the owner's .grad holds
+  // the reduced first half and would be scaled by 1/N again with its local second half; flat, the second delivered
+  // slice would replace the first. A helper's audit found both silently wrong (tests/sddp/sddp_combo2_test.cc). So
+  // ShardedDataParallel refuses a second synchronised backward (or reduce()) until its optimizers' step() or
+  // zero_grad() consumed the first, pointing to no_sync(), the accumulation it supports (as fairscale's
+  // ShardedDataParallel asks for). Every rank refuses at the same hook, before any collective of that backward.
+  if (strategy_ != ReduceStrategy::all_reduce) {
+    ro.consumed_generation = [optimizers = optimizers_] {
+      std::int64_t g = 0;
+      for (const oss::Oss* o : optimizers) g += o->grad_generation();
+      return g;
+    };
+  }
   return std::make_unique<Reducer>(strategy_, std::move(params), std::move(spaces), std::move(pieces), pg_, ro);
 }
 

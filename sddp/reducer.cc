@@ -276,6 +276,12 @@ std::vector<int> Reducer::bucket_params(std::size_t b) const {
 }
 
 void Reducer::begin_backward() {
+  if (options_.consumed_generation && reduced_at_generation_ == options_.consumed_generation()) {
+    throw ReducerError(absl::FailedPreconditionError(
+        "ShardedDataParallel: a second synchronised backward (or reduce()) before the optimizer's step() or "
+        "zero_grad(): each rank keeps only its own share of the gradients it reduced, so a second reduction cannot "
+        "add to them; accumulate over several backwards inside no_sync() for all but the last one"));
+  }
   in_backward_ = true;
   ready_.assign(params_.size(), 0);
   had_grad_.assign(params_.size(), 0);
@@ -456,6 +462,7 @@ void Reducer::finalize() {
   deliver_pieces(used);
   if (options_.rebuild_buckets && !rebuilt_ && autograd::is_backward_running()) rebuild_from_observed();
   stats_ = current_;
+  if (options_.consumed_generation) reduced_at_generation_ = options_.consumed_generation();
   in_backward_ = false;
 }
 

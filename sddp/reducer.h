@@ -102,6 +102,10 @@ struct ReducerOptions {
   // Rebuild buckets from the ready order observed in the first synchronised backward.
   bool rebuild_buckets = true;
   std::optional<absl::Duration> timeout = std::nullopt;
+  // When set, a count the gradients' consumer advances each time it consumes or clears them (ShardedDataParallel:
+  // its Oss objects' grad_generation()); a synchronised backward (or reduce()) that finds it where the previous
+  // reduction left it throws FailedPrecondition (Note [one synchronised backward per step] in data_parallel.cc).
+  std::function<std::int64_t()> consumed_generation = nullptr;
 };
 
 // Statistics of the last synchronised backward (or reduce()).
@@ -219,6 +223,7 @@ class Reducer {
   // per backward
   bool in_backward_ = false;
   std::vector<char> ready_;
+  std::optional<std::int64_t> reduced_at_generation_;  // consumed_generation() when the last reduction ended
   std::vector<char> had_grad_;  // the parameter had a gradient when it went into its bucket (Note [parameters no rank used])
   std::vector<int> observed_order_;
   std::size_t next_launch_ = 0;
