@@ -23,6 +23,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/fsdp/fsdp_test_util.h"
+#include "tests/testing/two_head_net.h"
 #include "tests/testing/gpt_tiny_data.h"
 
 namespace shardkit::fsdp {
@@ -31,38 +32,10 @@ namespace {
 using gpt_tiny::Batch;
 using gpt_tiny::kBatch;
 using gpt_tiny::TinyConfig;
+using two_head::HeadInput;
+using two_head::TwoHeadNet;
 
 // ---- a parameter no rank uses in a step ---------------------------------------------------------------------
-
-// A trunk and two heads; head b takes part in the loss only while use_b (the same on every rank).
-class TwoHeadNet : public nn::Module {
- public:
-  explicit TwoHeadNet(std::uint64_t seed) : Module("TwoHeadNet") {
-    Generator gen(seed, 0);
-    trunk = register_module("trunk", std::make_shared<nn::Linear>(4, 8, gen));
-    a = register_module("a", std::make_shared<nn::Linear>(8, 3, gen));
-    b = register_module("b", std::make_shared<nn::Linear>(8, 5, gen));
-  }
-  bool use_b = true;
-  std::shared_ptr<nn::Linear> trunk, a, b;
-
- protected:
-  Tensor forward(const Tensor& x) override {  // the loss (a scalar), through the root's hooks
-    const Tensor h = autograd::relu((*trunk)(x));
-    const Tensor ya = (*a)(h);
-    Tensor loss = autograd::mean(autograd::mul(ya, ya));
-    if (use_b) {
-      const Tensor yb = (*b)(h);
-      loss = autograd::add(loss, autograd::mean(autograd::mul(yb, yb)));
-    }
-    return loss;
-  }
-};
-
-Tensor HeadInput(int step, int rank) {
-  Generator data(9, static_cast<std::uint64_t>(step * 16 + rank));
-  return Tensor::uniform({3, 4}, data, -1, 1);
-}
 
 constexpr int kHeadSteps = 4;
 bool UsesB(int step) { return step == 0; }  // head b: in the first step only, on every rank

@@ -25,6 +25,8 @@
 #include "sddp/data_parallel.h"
 #include "sddp/grad_scaler.h"
 #include "tests/sddp/sddp_test_util.h"
+#include "tests/sddp/sddp_trainer.h"
+#include "tests/testing/two_head_net.h"
 
 namespace shardkit::sddp {
 namespace {
@@ -33,109 +35,15 @@ using test_util::Batch;
 using test_util::kBatch;
 using test_util::TinyConfig;
 using test_util::Values;
-
-enum class Mode { ddp, oss_ddp, oss_flat_ddp, sddp_greedy, sddp_flat, sddp_flat_owner };
-constexpr Mode kModes[] = {Mode::ddp,         Mode::oss_ddp,   Mode::oss_flat_ddp,
-                           Mode::sddp_greedy, Mode::sddp_flat, Mode::sddp_flat_owner};
-
-std::string ModeName(Mode m) {
-  switch (m) {
-    case Mode::ddp: return "ddp";
-    case Mode::oss_ddp: return "oss_ddp";
-    case Mode::oss_flat_ddp: return "oss_flat_ddp";
-    case Mode::sddp_greedy: return "sddp_greedy";
-    case Mode::sddp_flat: return "sddp_flat";
-    case Mode::sddp_flat_owner: return "sddp_flat_owner";
-  }
-  return "?";
-}
-
-std::string CaseName(const ::testing::TestParamInfo<std::tuple<int, Mode>>& info) {
-  return ModeName(std::get<1>(info.param)) + "_n" + std::to_string(std::get<0>(info.param));
-}
-
-// One rank's wrapper and optimizer for `mode` over `groups` (any module, any param groups). Tiny buckets and
-// flat chunks of reduce_buffer_size, as tests/sddp/sddp_gpt_test.cc.
-struct Trainer {
-  std::unique_ptr<optim::Optimizer> plain;
-  std::unique_ptr<oss::Oss> oss;
-  std::unique_ptr<DataParallel> dp;
-  std::vector<Tensor> params;
-
-  static absl::StatusOr<Trainer> make(Mode mode, nn::Module& model, std::vector<optim::ParamGroup> groups,
-                                      const optim::OptimizerFactory& factory, std::shared_ptr<comm::ProcessGroup> pg,
-                                      DataParallelOptions options) {
-    Trainer t;
-    t.params = model.parameters();
-    if (mode == Mode::ddp) {
-      auto o = factory(groups);
-      if (!o.ok()) return o.status();
-      t.plain = std::move(*o);
-    } else {
-      const bool flat = mode == Mode::oss_flat_ddp || mode == Mode::sddp_flat || mode == Mode::sddp_flat_owner;
-      auto o = oss::Oss::create(groups, factory, pg,
-                                {.policy = flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy,
-                                 .bucket_bytes = 4096,
-                                 .flat_chunk_numel = options.reduce_buffer_size});
-      if (!o.ok()) return o.status();
-      t.oss = std::move(*o);
-    }
-    if (mode == Mode::ddp || mode == Mode::oss_ddp || mode == Mode::oss_flat_ddp) {
-      auto d = DistributedDataParallel::create(model, pg, options);
-      if (!d.ok()) return d.status();
-      t.dp = std::move(*d);
-    } else {
-      options.flat_reduce_scatter = mode != Mode::sddp_flat_owner;
-      auto d = ShardedDataParallel::create(model, {t.oss.get()}, pg, options);
-      if (!d.ok()) return d.status();
-      t.dp = std::move(*d);
-    }
-    return t;
-  }
-  void zero_grad() {
-    if (plain) plain->zero_grad();
-    if (oss) oss->zero_grad();
-  }
-  absl::Status step() { return plain ? plain->step() : oss->step(); }
-  optim::HyperParams& hyper(std::size_t g) { return plain ? plain->mutable_hyper(g) : oss->mutable_hyper(g); }
-  absl::StatusOr<double> clip_grad_norm(double max_norm) {
-    if (plain) return optim::clip_grad_norm(params, max_norm);
-    return oss->clip_grad_norm(max_norm);
-  }
-};
+using test_util::CaseName;
+using test_util::kModes;
+using test_util::Mode;
+using test_util::ModeName;
+using test_util::Trainer;
+using two_head::HeadInput;
+using two_head::TwoHeadNet;
 
 // ---- a parameter no rank uses in a step ---------------------------------------------------------------------
-
-// A trunk and two heads; head b takes part in the loss only while use_b (the same on every rank).
-class TwoHeadNet : public nn::Module {
- public:
-  explicit TwoHeadNet(std::uint64_t seed) : Module("TwoHeadNet") {
-    Generator gen(seed, 0);
-    trunk = register_module("trunk", std::make_shared<nn::Linear>(4, 8, gen));
-    a = register_module("a", std::make_shared<nn::Linear>(8, 3, gen));
-    b = register_module("b", std::make_shared<nn::Linear>(8, 5, gen));
-  }
-  bool use_b = true;
-  std::shared_ptr<nn::Linear> trunk, a, b;
-
- protected:
-  // The loss itself (a scalar), so the wrappers' forward hooks run on every call.
-  Tensor forward(const Tensor& x) override {
-    const Tensor h = autograd::relu((*trunk)(x));
-    const Tensor ya = (*a)(h);
-    Tensor loss = autograd::mean(autograd::mul(ya, ya));
-    if (use_b) {
-      const Tensor yb = (*b)(h);
-      loss = autograd::add(loss, autograd::mean(autograd::mul(yb, yb)));
-    }
-    return loss;
-  }
-};
-
-Tensor HeadInput(int step, int rank) {
-  Generator data(9, static_cast<std::uint64_t>(step * 16 + rank));
-  return Tensor::uniform({3, 4}, data, -1, 1);
-}
 
 constexpr int kHeadSteps = 4;
 bool UsesB(int step) { return step == 0; }  // head b: in the first step only, on every rank

@@ -11,6 +11,7 @@
 #include "tests/common/tensor/cuda_test_util.h"
 #include "tests/testing/device_only_ranks.h"
 #include "tests/sddp/sddp_test_util.h"
+#include "tests/sddp/sddp_trainer.h"
 #include "tests/testing/one_rank_nccl.h"
 
 namespace shardkit::sddp {
@@ -20,72 +21,9 @@ using test_util::Batch;
 using test_util::kBatch;
 using test_util::TinyConfig;
 using test_util::Values;
-
-enum class Mode { ddp, oss_ddp, oss_flat_ddp, sddp_greedy, sddp_flat, sddp_flat_owner };
-
-std::string ModeName(Mode m) {
-  switch (m) {
-    case Mode::ddp: return "ddp";
-    case Mode::oss_ddp: return "oss_ddp";
-    case Mode::oss_flat_ddp: return "oss_flat_ddp";
-    case Mode::sddp_greedy: return "sddp_greedy";
-    case Mode::sddp_flat: return "sddp_flat";
-    case Mode::sddp_flat_owner: return "sddp_flat_owner";
-  }
-  return "?";
-}
-
-// One rank's trainer: the wrapper and the optimizer for `mode`.
-struct Trainer {
-  std::unique_ptr<optim::Optimizer> plain;
-  std::unique_ptr<oss::Oss> oss;
-  std::unique_ptr<DataParallel> dp;
-
-  static absl::StatusOr<Trainer> make(Mode mode, nn::GPT& model, std::shared_ptr<comm::ProcessGroup> pg,
-                                      DataParallelOptions options,
-                                      const optim::OptimizerFactory& factory = optim::AdamW::factory()) {
-    Trainer t;
-    t.params = model.parameters();
-    std::vector<optim::ParamGroup> groups{{model.parameters(), optim::AdamW::default_hyper()}};
-    if (mode == Mode::ddp) {
-      auto o = factory(groups);
-      if (!o.ok()) return o.status();
-      t.plain = std::move(*o);
-    } else {
-      const bool flat = mode == Mode::oss_flat_ddp || mode == Mode::sddp_flat || mode == Mode::sddp_flat_owner;
-      auto o = oss::Oss::create(groups, factory, pg,
-                                {.policy = flat ? oss::PartitionPolicy::flat : oss::PartitionPolicy::greedy,
-                                 .bucket_bytes = 4096,
-                                 .flat_chunk_numel = options.reduce_buffer_size});
-      if (!o.ok()) return o.status();
-      t.oss = std::move(*o);
-    }
-    if (mode == Mode::ddp || mode == Mode::oss_ddp || mode == Mode::oss_flat_ddp) {
-      auto d = DistributedDataParallel::create(model, pg, options);
-      if (!d.ok()) return d.status();
-      t.dp = std::move(*d);
-    } else {
-      options.flat_reduce_scatter = mode != Mode::sddp_flat_owner;
-      auto d = ShardedDataParallel::create(model, {t.oss.get()}, pg, options);
-      if (!d.ok()) return d.status();
-      t.dp = std::move(*d);
-    }
-    return t;
-  }
-  void zero_grad() {
-    if (plain) plain->zero_grad();
-    if (oss) oss->zero_grad();
-  }
-  absl::Status step() {
-    return plain ? plain->step() : oss->step();
-  }
-  // Clips the gradients the next step() uses; returns the total norm before clipping.
-  absl::StatusOr<double> clip_grad_norm(double max_norm) {
-    if (plain) return optim::clip_grad_norm(params, max_norm);
-    return oss->clip_grad_norm(max_norm);
-  }
-  std::vector<Tensor> params;
-};
+using test_util::Mode;
+using test_util::ModeName;
+using test_util::Trainer;
 
 // `device`: where the model already is; each step's batch goes there too.
 absl::Status RunSteps(Mode mode, comm::RankEnv& env, nn::GPT& model, int steps, DataParallelOptions options,
