@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
+#include "common/comm/any_flags.h"
 #include "common/kernels/elementwise.h"
 #include "common/nn/deferred_init.h"
 #include "common/tensor/pinned_host_source.h"
@@ -338,8 +339,8 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
   pending.all_reduce_replicas = all_reduce_replicas;
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
   // Which parameters had a gradient on this rank (Note [parameters no rank used], below).
-  std::vector<float> had_grad;
-  for (const FSDPParam& p : params_) had_grad.push_back(p.unsharded.grad().defined() ? 1.f : 0.f);
+  std::vector<char> had_grad;
+  for (const FSDPParam& p : params_) had_grad.push_back(p.unsharded.grad().defined() ? 1 : 0);
   // Own reduce_scatters are issued in parameter order after the shared one (Note [own collectives]).
   std::vector<std::pair<const FSDPParam*, Tensor>> own_inputs;
   for (FSDPParam& p : params_) {
@@ -371,13 +372,11 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
         pending.out.view(p->shard_offset, {p->padded_numel()}), g.view(0, {g.numel()}),
         {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_, " ", p->names.front())}));
   }
-  pending.used = Tensor::from_vector(had_grad, {static_cast<std::int64_t>(had_grad.size())},
-                                     TensorOptions{}.with_category(MemoryCategory::communication_buffer))
-                     .to(rd, MemoryCategory::communication_buffer)
-                     .to(device_, MemoryCategory::communication_buffer);
+  pending.used = comm::flags_tensor(had_grad, device_, rd);
   if (world > 1) {
-    pending.works.push_back(pg_->all_reduce(pending.used, {.op = comm::ReduceOp::max(), .timeout = timeout(),
-                                                           .tag = absl::StrCat("fsdp used parameters ", name_)}));
+    const std::string tag = absl::StrCat("fsdp used parameters ", name_);
+    pending.works.push_back(
+        pg_->all_reduce(pending.used, {.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = tag}));
   }
   pending_reduce_ = std::move(pending);
   return absl::OkStatus();
@@ -393,13 +392,6 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
 // over the replicas under HSDP, accumulated with the rows when their all-reduce is deferred), issued after the
 // reduce_scatters; a parameter whose shard has no gradient yet and that no rank used gets none. One where a
 // gradient is accumulating keeps adding zeros, which changes nothing.
-std::vector<char> ParamGroup::used_flags(const Tensor& used) const {
-  const std::vector<float> any =
-      used.to(Device::cpu(), MemoryCategory::communication_buffer).to(DType::f32, MemoryCategory::communication_buffer).to_vector();
-  std::vector<char> out(any.size());
-  for (std::size_t i = 0; i < any.size(); ++i) out[i] = any[i] > 0.f ? 1 : 0;
-  return out;
-}
 
 absl::Status ParamGroup::finish_reduce_grads() {
   if (!pending_reduce_) return absl::OkStatus();
@@ -410,7 +402,7 @@ absl::Status ParamGroup::finish_reduce_grads() {
     if (absl::Status st = w->wait(); wst.ok()) wst = st;
   }
   if (!wst.ok()) return wst;
-  std::vector<char> used = used_flags(pending.used);  // Note [parameters no rank used]
+  std::vector<char> used = comm::read_flags(pending.used);  // Note [parameters no rank used]
   // The reduced rows land f32 (Note [mixed precision on f32 ops]).
   Tensor out = pending.out.dtype() == DType::f32 ? pending.out : pending.out.to(DType::f32, MemoryCategory::gradient);
   pending.out = Tensor();
@@ -433,17 +425,13 @@ absl::Status ParamGroup::finish_reduce_grads() {
       partial_ = Tensor();
     }
     if (replicate_->size() > 1) {  // the flags over the replicas too
-      std::vector<float> mine(used.begin(), used.end());
-      const Tensor flags = Tensor::from_vector(mine, {static_cast<std::int64_t>(mine.size())},
-                                               TensorOptions{}.with_category(MemoryCategory::communication_buffer))
-                               .to(device_, MemoryCategory::communication_buffer);
-      if (absl::Status st = replicate_->all_reduce(flags, {.op = comm::ReduceOp::max(), .timeout = timeout(),
-                                                          .tag = absl::StrCat("fsdp used parameters (replicas) ", name_)})
-                                ->wait();
-          !st.ok()) {
+      const Tensor flags = comm::flags_tensor(used, device_, DType::f32);
+      const std::string tag = absl::StrCat("fsdp used parameters (replicas) ", name_);
+      const comm::AllReduceOptions o{.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = tag};
+      if (absl::Status st = replicate_->all_reduce(flags, o)->wait(); !st.ok()) {
         return st;
       }
-      used = used_flags(flags);
+      used = comm::read_flags(flags);
     }
     const comm::ReduceOp op = pending.divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
     if (absl::Status st = replicate_->all_reduce(out, {.op = op, .timeout = timeout(),

@@ -165,8 +165,6 @@ class ParamGroup {
     bool all_reduce_replicas = true;
   };
   std::optional<PendingReduce> pending_reduce_;
-  // Note [parameters no rank used] in param_group.cc: the all-reduced flags, read on the host.
-  std::vector<char> used_flags(const Tensor& used) const;
 };
 
 }  // namespace shardkit::fsdp

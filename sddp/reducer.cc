@@ -9,6 +9,7 @@
 #include "common/autograd/engine.h"
 #include "common/autograd/hooks.h"
 #include "common/base/logging.h"
+#include "common/comm/any_flags.h"
 #include "common/comm/host_staged.h"
 #include "common/kernels/elementwise.h"
 #include "common/tensor/rank_context.h"
@@ -480,24 +481,16 @@ void Reducer::finalize() {
 // collectives in the same order; they travel on the parameters' device (NCCL moves only device tensors) and are read
 // back on the host once the buckets are done.
 std::vector<char> Reducer::used_anywhere() {
-  const auto n = static_cast<std::int64_t>(params_.size());
   std::shared_ptr<comm::Work> work;
   Tensor flags;
-  if (world_ > 1 && n > 0) {
-    std::vector<float> mine(had_grad_.begin(), had_grad_.end());
-    flags = Tensor::from_vector(mine, {n}, TensorOptions{}.with_category(MemoryCategory::communication_buffer))
-                .to(options_.reduce_dtype.value_or(DType::f32), MemoryCategory::communication_buffer)
-                .to(device_, MemoryCategory::communication_buffer);
+  if (world_ > 1 && !params_.empty()) {
+    flags = comm::flags_tensor(had_grad_, device_, options_.reduce_dtype.value_or(DType::f32));
     work = pg_->all_reduce(flags, {.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = "used parameters"});
   }
   while (!in_flight_.empty()) finish_oldest();
   if (work == nullptr) return had_grad_;
   if (absl::Status s = work->wait(); !s.ok()) throw ReducerError(std::move(s));
-  const std::vector<float> any =
-      flags.to(Device::cpu(), MemoryCategory::communication_buffer).to(DType::f32, MemoryCategory::communication_buffer).to_vector();
-  std::vector<char> used(params_.size());
-  for (std::size_t i = 0; i < used.size(); ++i) used[i] = any[i] > 0.f ? 1 : 0;
-  return used;
+  return comm::read_flags(flags);
 }
 
 void Reducer::deliver_pieces(const std::vector<char>& used) {

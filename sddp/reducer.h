@@ -224,7 +224,7 @@ class Reducer {
   bool in_backward_ = false;
   std::vector<char> ready_;
   std::optional<std::int64_t> reduced_at_generation_;  // consumed_generation() when the last reduction ended
-  std::vector<char> had_grad_;  // the parameter had a gradient when it went into its bucket (Note [parameters no rank used])
+  std::vector<char> had_grad_;  // had a gradient when it went into its bucket (Note [parameters no rank used])
   std::vector<int> observed_order_;
   std::size_t next_launch_ = 0;
   std::vector<int> in_flight_;  // launched, not yet finished, in launch order
