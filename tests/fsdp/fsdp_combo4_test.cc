@@ -32,6 +32,7 @@
 #include "tests/fsdp/fsdp_test_util.h"
 #include "tests/testing/device_only_group.h"
 #include "tests/testing/gpt_tiny_data.h"
+#include "tests/testing/tcp_ranks.h"
 #include "tests/testing/two_head_net.h"
 
 namespace shardkit::fsdp {
@@ -41,27 +42,12 @@ using gpt_tiny::Batch;
 using gpt_tiny::kBatch;
 using gpt_tiny::TinyConfig;
 using two_head::HeadInput;
+using tcp_ranks::RunTcpRanks;
+using two_head::DeviceHeadNet;
 using two_head::TwoHeadNet;
 using Params = std::vector<std::vector<float>>;
 
 // ---- a head some or no rank uses, over process backends and device-only groups ----------------------------------
-
-// TwoHeadNet's parameters with a loss built from ops that also run on CUDA (relu and mean compute on the CPU only):
-// gelu, and each head's cross-entropy against fixed classes; head b's term only while use_b.
-class DeviceHeadNet : public TwoHeadNet {
- public:
-  using TwoHeadNet::TwoHeadNet;
-
- protected:
-  Tensor forward(const Tensor& x) override {
-    const Tensor h = autograd::gelu((*trunk)(x));
-    Tensor loss = autograd::cross_entropy((*a)(h), Tensor::from_int64({0, 2, 1}, {3}).to(x.device()));
-    if (use_b) {
-      loss = autograd::add(loss, autograd::cross_entropy((*b)(h), Tensor::from_int64({4, 1, 3}, {3}).to(x.device())));
-    }
-    return loss;
-  }
-};
 
 constexpr int kHeadSteps = 5;
 constexpr int kLastUse = 2;
@@ -121,44 +107,6 @@ absl::StatusOr<Params> TrainHeads(std::shared_ptr<comm::ProcessGroup> pg, Device
     }
   }
   return test_util::FullValues(net);
-}
-
-template <typename Fn>
-absl::Status RunTcpRanks(int world, const std::string& transport, const std::string& prefix, Fn fn) {
-  auto store = std::make_shared<comm::HashStore>();
-  std::vector<absl::Status> status(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      RankContext ctx;
-      ctx.rank = r;
-      ctx.world_size = world;
-      RankContextScope scope(ctx);
-      auto pg = comm::TcpProcessGroup::create(store, r, world,
-                                              {.store_prefix = prefix,
-                                               .default_timeout = absl::Seconds(60),
-                                               .chunk_bytes = 64,
-                                               .transport = transport,
-                                               .shm_ring_bytes = 256});
-      if (!pg.ok()) {
-        status[static_cast<std::size_t>(r)] = pg.status();
-        return;
-      }
-      for (int p = 0; p < world; ++p) {
-        if (p != r && (*pg)->transport_to(p) != transport) {
-          status[static_cast<std::size_t>(r)] =
-              absl::InternalError(absl::StrCat("rank ", r, " to ", p, ": transport ", (*pg)->transport_to(p)));
-          return;
-        }
-      }
-      status[static_cast<std::size_t>(r)] = fn(std::shared_ptr<comm::ProcessGroup>(*pg));
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    if (!status[static_cast<std::size_t>(r)].ok()) return status[static_cast<std::size_t>(r)];
-  }
-  return absl::OkStatus();
 }
 
 std::string HeadCaseName(bool b_unit, int world) {

@@ -22,6 +22,7 @@
 #include "tests/sddp/sddp_test_util.h"
 #include "tests/sddp/sddp_trainer.h"
 #include "tests/testing/device_only_group.h"
+#include "tests/testing/tcp_ranks.h"
 #include "tests/testing/two_head_net.h"
 
 namespace shardkit::sddp {
@@ -33,24 +34,9 @@ using test_util::ModeName;
 using test_util::Trainer;
 using test_util::Values;
 using two_head::HeadInput;
+using tcp_ranks::RunTcpRanks;
+using two_head::DeviceHeadNet;
 using two_head::TwoHeadNet;
-
-// TwoHeadNet's parameters with a loss built from ops that also run on CUDA (relu and mean compute on the CPU only):
-// gelu, and each head's cross-entropy against fixed classes; head b's term only while use_b.
-class DeviceHeadNet : public TwoHeadNet {
- public:
-  using TwoHeadNet::TwoHeadNet;
-
- protected:
-  Tensor forward(const Tensor& x) override {
-    const Tensor h = autograd::gelu((*trunk)(x));
-    Tensor loss = autograd::cross_entropy((*a)(h), Tensor::from_int64({0, 2, 1}, {3}).to(x.device()));
-    if (use_b) {
-      loss = autograd::add(loss, autograd::cross_entropy((*b)(h), Tensor::from_int64({4, 1, 3}, {3}).to(x.device())));
-    }
-    return loss;
-  }
-};
 
 constexpr int kSteps = 5;
 // DeviceHeadNet's head b per step and rank: every rank in step 0, rank 0 only in step 1, the last rank only in step 2, no rank after.
@@ -107,45 +93,6 @@ absl::StatusOr<std::vector<std::vector<float>>> TrainHeads(Mode mode, std::share
     }
   }
   return Values(net);
-}
-
-// Ranks as threads of this process, each with its own rank context, over a TcpProcessGroup with `transport`.
-template <typename Fn>
-absl::Status RunTcpRanks(int world, const std::string& transport, const std::string& prefix, Fn fn) {
-  auto store = std::make_shared<comm::HashStore>();
-  std::vector<absl::Status> status(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      RankContext ctx;
-      ctx.rank = r;
-      ctx.world_size = world;
-      RankContextScope scope(ctx);
-      auto pg = comm::TcpProcessGroup::create(store, r, world,
-                                              {.store_prefix = prefix,
-                                               .default_timeout = absl::Seconds(60),
-                                               .chunk_bytes = 64,
-                                               .transport = transport,
-                                               .shm_ring_bytes = 256});
-      if (!pg.ok()) {
-        status[static_cast<std::size_t>(r)] = pg.status();
-        return;
-      }
-      for (int p = 0; p < world; ++p) {
-        if (p != r && (*pg)->transport_to(p) != transport) {
-          status[static_cast<std::size_t>(r)] =
-              absl::InternalError(absl::StrCat("rank ", r, " to ", p, ": transport ", (*pg)->transport_to(p)));
-          return;
-        }
-      }
-      status[static_cast<std::size_t>(r)] = fn(std::shared_ptr<comm::ProcessGroup>(*pg));
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    if (!status[static_cast<std::size_t>(r)].ok()) return status[static_cast<std::size_t>(r)];
-  }
-  return absl::OkStatus();
 }
 
 // ---- process backends ------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 
 #include "common/autograd/ops/activation.h"
 #include "common/autograd/ops/elementwise.h"
+#include "common/autograd/ops/loss.h"
 #include "common/autograd/ops/reduce.h"
 #include "common/nn/layers.h"
 #include "common/nn/module.h"
@@ -34,6 +35,23 @@ class TwoHeadNet : public nn::Module {
     if (use_b) {
       const Tensor yb = (*b)(h);
       loss = autograd::add(loss, autograd::mean(autograd::mul(yb, yb)));
+    }
+    return loss;
+  }
+};
+
+// The same model with a loss every op of which runs on CUDA tensors too (gelu and cross-entropy; relu and mean
+// are CPU-only), for the device-only (NCCL-like) group tests.
+class DeviceHeadNet : public TwoHeadNet {
+ public:
+  using TwoHeadNet::TwoHeadNet;
+
+ protected:
+  Tensor forward(const Tensor& x) override {
+    const Tensor h = autograd::gelu((*trunk)(x));
+    Tensor loss = autograd::cross_entropy((*a)(h), Tensor::from_int64({0, 2, 1}, {3}).to(x.device()));
+    if (use_b) {
+      loss = autograd::add(loss, autograd::cross_entropy((*b)(h), Tensor::from_int64({4, 1, 3}, {3}).to(x.device())));
     }
     return loss;
   }
