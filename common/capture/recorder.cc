@@ -92,7 +92,13 @@ void Recorder::on_op(std::string_view name, std::vector<Tensor> reads, std::vect
   node.grad_enabled = autograd::is_grad_enabled();
   if (backward_node != nullptr) {
     auto it = forward_op_of_.find(backward_node);
-    if (it == forward_op_of_.end()) {
+    if (it == forward_op_of_.end() && name == "CheckpointBackward") {
+      // Note [what cannot be captured]: a checkpointed module's forward runs with grad off and is recomputed inside
+      // its backward node, neither of which the tracer records.
+      on_unsupported("activation checkpointing (nn::checkpoint's CheckpointBackward: its forward and recomputation "
+                     "are not recorded, so the step cannot be replayed yet); compile the step on a model without "
+                     "nn::checkpoint");
+    } else if (it == forward_op_of_.end()) {
       on_unsupported(absl::StrCat("backward node ", std::string(name),
                                   " (the forward computation that created it was not recorded)"));
     } else {

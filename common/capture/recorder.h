@@ -20,7 +20,9 @@
 // tensor) when an op reads a tensor that no recorded op wrote and that is not a declared input (it was computed
 // by an untraced kernel, a Tensor method like fill_ or to(), or outside the step), when the step writes a tensor it
 // already read or wrote with Tensor::fill_ / copy_ outside any recorded op (replay would not repeat the write), and
-// when something reports itself unsupported (a hook, batch_norm's in-place statistics). Writes through raw data
+// when something reports itself unsupported (a hook, batch_norm's in-place statistics, activation checkpointing:
+// nn::checkpoint's forward runs with grad off and recomputes inside its backward node, neither recorded; found by a
+// helper's audit, tests/sddp/sddp_combo5_test.cc, whose equality tests wait for it). Writes through raw data
 // pointers are not seen: a step must not write its tensors that way. The message names the Override that would fix
 // it: keep that part out of tracing and splice its graph in at a placeholder (graph_passes.h).
 //

@@ -1,0 +1,131 @@
+// Feature combinations of the fully-shard mode that the other fsdp tests leave out, each against single-rank
+// training (DESIGN.md section 8):
+//   * activation checkpointing (common/nn/checkpoint.h) inside a step compiled with capture::compile and
+//     fsdp::FullyShardMode (a bucket per parameter, or 4 KiB buckets prefetched one ahead): the blocks
+//     checkpointed, or the attention and MLP inside each block, with the final LayerNorm; against eager single-rank
+//     training on the whole batch without checkpointing (within float rounding), and bit for bit against eager FSDP
+//     without checkpointing (which the compiled fully-shard step equals bitwise, tests/fsdp/fully_shard_mode_test.cc,
+//     and which checkpointing must not change, checkpoint.h).
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/autograd/engine.h"
+#include "common/capture/compile.h"
+#include "common/comm/testing/run_ranks.h"
+#include "common/nn/checkpoint.h"
+#include "common/nn/gpt.h"
+#include "common/optim/adam.h"
+#include "fsdp/fully_shard.h"
+#include "fsdp/fully_shard_mode.h"
+#include "gtest/gtest.h"
+#include "tests/fsdp/fsdp_test_util.h"
+#include "tests/testing/gpt_tiny_data.h"
+
+namespace shardkit::fsdp {
+namespace {
+
+using gpt_tiny::Batch;
+using gpt_tiny::kBatch;
+using gpt_tiny::TinyConfig;
+
+constexpr int kSteps = 5;
+
+enum class Ckpt { blocks, inside_blocks };
+
+// Checkpoints the final LayerNorm, and the blocks or the attention and MLP modules inside each block.
+absl::Status Checkpoint(nn::GPT& model, Ckpt what) {
+  if (absl::Status s = nn::checkpoint(*model.ln_f); !s.ok()) return s;
+  if (what == Ckpt::blocks) return nn::checkpoint_blocks(model);
+  const auto attn = modules_of_type(model, "CausalSelfAttention"), mlp = modules_of_type(model, "MLP");
+  if (attn.empty() || attn.size() != mlp.size()) return absl::InternalError("no attention or MLP modules");
+  for (const auto& list : {attn, mlp}) {
+    for (nn::Module* m : list) {
+      if (absl::Status s = nn::checkpoint(*m); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+class FullyShardModeCheckpoint : public ::testing::TestWithParam<std::tuple<int, Ckpt, bool>> {};
+
+// Five GPT-tiny steps compiled with the fully-shard mode, the model checkpointed: every rank's full parameters
+// equal single-rank training on the whole batch (no checkpointing) within float rounding, every loss and parameter
+// equal eager FSDP's (no checkpointing) bit for bit, and the graph gathers and reduce-scatters.
+TEST_P(FullyShardModeCheckpoint, CompiledCheckpointedStepsTrainAsOnOneRank) {
+  GTEST_SKIP() << "not supported yet: capture::compile refuses a step with a checkpointed module (Note [what cannot "
+                  "be captured]; tested in sddp_combo5_test); this equality waits for it";
+  const auto [world, what, bucketed] = GetParam();
+  const auto want = gpt_tiny::Reference(kSteps);
+  const FullyShardModeOptions options =
+      bucketed ? FullyShardModeOptions{.bucket_bytes = 4 << 10, .prefetch = 1} : FullyShardModeOptions{};
+  std::vector<std::vector<std::vector<float>>> eager_values(world), compiled_values(world);
+  std::vector<std::vector<float>> eager_losses(world), compiled_losses(world);
+  absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
+    const int rows = kBatch / env.world_size;
+    const auto r = static_cast<std::size_t>(env.rank);
+    {
+      nn::GPT model(TinyConfig(), 1);
+      if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+      optim::AdamW opt(model.parameters());
+      for (int step = 0; step < kSteps; ++step) {
+        auto [x, y] = Batch(step, env.rank * rows, rows);
+        opt.zero_grad();
+        Tensor loss = model.loss(x, y);
+        if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
+        if (absl::Status s = opt.step(); !s.ok()) return s;
+        eager_losses[r].push_back(static_cast<float>(loss.item()));
+      }
+      if (absl::Status s = test_util::StoreFullValues(model, eager_values, env.rank); !s.ok()) return s;
+    }
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = Checkpoint(model, what); !s.ok()) return s;
+    optim::AdamW opt(model.parameters());
+    auto mode = std::make_shared<FullyShardMode>(env.group_ptr, options);
+    capture::CompiledStep compiled = capture::compile(
+        [&](const std::vector<Tensor>& batch) {
+          Tensor loss = model.loss(batch[0], batch[1]);
+          autograd::backward(loss);
+          EXPECT_TRUE(opt.step().ok());
+          opt.zero_grad();
+          return loss;
+        },
+        model, opt, {.parallel_mode = mode});
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = Batch(step, env.rank * rows, rows);
+      absl::StatusOr<Tensor> loss = compiled({x, y});
+      if (!loss.ok()) return loss.status();
+      compiled_losses[r].push_back(static_cast<float>(loss->item()));
+    }
+    const std::map<std::string, int> counts = compiled.graph()->counts();
+    EXPECT_GE(counts.count("collective/all_gather") ? counts.at("collective/all_gather") : 0, 1);
+    EXPECT_GE(counts.count("collective/reduce_scatter") ? counts.at("collective/reduce_scatter") : 0, 1);
+    if (absl::Status s = mode->unshard_parameters(); !s.ok()) return s;
+    compiled_values[r] = gpt_tiny::Values(model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  gpt_tiny::ExpectMatches(compiled_values, want, 2e-5);
+  for (int r = 0; r < world; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    EXPECT_EQ(compiled_losses[i], eager_losses[i]) << "rank " << r;
+    ASSERT_EQ(compiled_values[i].size(), eager_values[i].size());
+    for (std::size_t p = 0; p < compiled_values[i].size(); ++p) {
+      EXPECT_TRUE(compiled_values[i][p] == eager_values[i][p]) << "rank " << r << " parameter " << p;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, FullyShardModeCheckpoint,
+                         ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Values(Ckpt::blocks, Ckpt::inside_blocks),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return absl::StrCat("n", std::get<0>(info.param),
+                                               std::get<1>(info.param) == Ckpt::blocks ? "_blocks" : "_inside_blocks",
+                                               std::get<2>(info.param) ? "_bucketed" : "_per_param");
+                         });
+
+}  // namespace
+}  // namespace shardkit::fsdp
