@@ -110,6 +110,8 @@ void Oss::partition() {
     const Tensor& p = groups_[static_cast<std::size_t>(piece.group)].params[static_cast<std::size_t>(piece.param)];
     local_.push_back(piece);
     external_grad_.push_back(false);
+    zero_grad_kept_.push_back(false);
+    had_grad_.push_back(false);
     shards_.push_back(options_.policy == PartitionPolicy::greedy ? p : p.view(piece.offset, {piece.length}));
   }
 }
@@ -220,8 +222,6 @@ void Oss::zero_grad(bool set_to_none) {
   if (options_.policy == PartitionPolicy::flat) {
     // Also the delivered slices, whatever set_to_none says (Note [delivered gradient slices]); a piece that held
     // a gradient keeps a zero one under set_to_none = false (Note [zero gradients of flat pieces]).
-    zero_grad_kept_.resize(local_.size(), false);
-    had_grad_.resize(local_.size(), false);
     for (std::size_t k = 0; k < local_.size(); ++k) {
       const bool holds = shards_[k].grad().defined() || external_grad_[k] || had_grad_[k];
       zero_grad_kept_[k] = !set_to_none && (zero_grad_kept_[k] || holds);
@@ -267,7 +267,6 @@ void Oss::set_piece_grad(std::size_t k, const Tensor& grad) {
 // would step them; zero_grad(true) forgets. A helper's audit found the difference (tests/sddp/sddp_combo2_test.cc).
 void Oss::attach_shard_grads() {
   if (options_.policy != PartitionPolicy::flat) return;  // greedy shards are the parameters themselves
-  zero_grad_kept_.resize(local_.size(), false);
   for (std::size_t k = 0; k < local_.size(); ++k) {
     if (external_grad_[k]) continue;
     const OwnedPiece& piece = local_[k];
@@ -305,7 +304,6 @@ absl::Status Oss::step() {
     // The pieces' gradients are views of (or were handed in for) this step only: drop them, so they do not
     // keep last step's gradient buffers alive through the next backward. A delivered slice has no other
     // owner, so this frees it (Note [delivered gradient slices]).
-    had_grad_.resize(local_.size(), false);
     for (std::size_t k = 0; k < local_.size(); ++k) {
       had_grad_[k] = shards_[k].grad().defined();  // Note [zero gradients of flat pieces]
       shards_[k].set_grad(Tensor());

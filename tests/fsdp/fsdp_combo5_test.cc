@@ -22,6 +22,7 @@
 #include "fsdp/fully_shard_mode.h"
 #include "gtest/gtest.h"
 #include "tests/fsdp/fsdp_test_util.h"
+#include "tests/testing/checkpoint_gpt.h"
 #include "tests/testing/gpt_tiny_data.h"
 
 namespace shardkit::fsdp {
@@ -33,21 +34,8 @@ using gpt_tiny::TinyConfig;
 
 constexpr int kSteps = 5;
 
-enum class Ckpt { blocks, inside_blocks };
-
-// Checkpoints the final LayerNorm, and the blocks or the attention and MLP modules inside each block.
-absl::Status Checkpoint(nn::GPT& model, Ckpt what) {
-  if (absl::Status s = nn::checkpoint(*model.ln_f); !s.ok()) return s;
-  if (what == Ckpt::blocks) return nn::checkpoint_blocks(model);
-  const auto attn = modules_of_type(model, "CausalSelfAttention"), mlp = modules_of_type(model, "MLP");
-  if (attn.empty() || attn.size() != mlp.size()) return absl::InternalError("no attention or MLP modules");
-  for (const auto& list : {attn, mlp}) {
-    for (nn::Module* m : list) {
-      if (absl::Status s = nn::checkpoint(*m); !s.ok()) return s;
-    }
-  }
-  return absl::OkStatus();
-}
+using checkpoint_gpt::Checkpoint;
+using checkpoint_gpt::Ckpt;
 
 class FullyShardModeCheckpoint : public ::testing::TestWithParam<std::tuple<int, Ckpt, bool>> {};
 

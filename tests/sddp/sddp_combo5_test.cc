@@ -20,6 +20,7 @@
 #include "sddp/data_parallel.h"
 #include "sddp/replicate_mode.h"
 #include "tests/sddp/sddp_test_util.h"
+#include "tests/testing/checkpoint_gpt.h"
 
 namespace shardkit::sddp {
 namespace {
@@ -31,24 +32,8 @@ using test_util::Values;
 
 constexpr int kSteps = 5;
 
-enum class Ckpt { blocks, inside_blocks };
-
-// Checkpoints the final LayerNorm, and the blocks or the attention and MLP modules inside each block.
-absl::Status Checkpoint(nn::GPT& model, Ckpt what) {
-  if (absl::Status s = nn::checkpoint(*model.ln_f); !s.ok()) return s;
-  if (what == Ckpt::blocks) return nn::checkpoint_blocks(model);
-  int n = 0;
-  for (auto& [name, m] : model.named_modules()) {
-    if (m->type_name() == "CausalSelfAttention" || m->type_name() == "MLP") {
-      if (absl::Status s = nn::checkpoint(*m); !s.ok()) return s;
-      ++n;
-    }
-  }
-  if (n != 2 * static_cast<int>(model.blocks->named_children().size())) {
-    return absl::InternalError(absl::StrCat("checkpointed ", n, " modules inside the blocks"));
-  }
-  return absl::OkStatus();
-}
+using checkpoint_gpt::Checkpoint;
+using checkpoint_gpt::Ckpt;
 
 class ReplicateModeCheckpoint : public ::testing::TestWithParam<std::tuple<int, Ckpt, std::int64_t>> {};
 

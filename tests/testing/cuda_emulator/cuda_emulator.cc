@@ -294,8 +294,7 @@ void GemmStridedBatched(Device device, bool trans_a, bool trans_b, std::int64_t 
 // The packed bf16 copy (Note [padded bf16 copies] in common/kernels/cuda/bf16_gemm_plan.h): rows x cols rounded up to
 // multiples of 8, zeros beyond.
 void PackBf16(Device device, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, void* dst) {
-  if (rows < 0 || cols < 0 || ld < std::max<std::int64_t>(1, cols)) Fail("pack_bf16: bad shape");
-  if (rows == 0 || cols == 0) return;
+  if (rows == 0 || cols == 0) return;  // the arguments were checked by the dispatch
   Guard(device);
   Open o;
   const std::int64_t pad_cols = kernels::cuda::round_up_to_pad(cols);
@@ -313,10 +312,7 @@ void PackBf16(Device device, const float* src, std::int64_t rows, std::int64_t c
 // width), then the CPU GEMM as Sgemm runs a "medium" product on bf16-rounded operands.
 void GemmOnBf16Copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                       float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc) {
-  if (m < 1 || n < 1 || k < 1 || !kernels::cuda::medium_gemm_runs_on_bf16_copies(m, n, k) || ldc < n) {
-    Fail("gemm_on_bf16_copies: not a product that runs on bf16 copies");
-  }
-  Guard(device);
+  Guard(device);  // the arguments were checked by the dispatch (cuda_kernels_dispatch.cc)
   Open o;
   Dev(c, static_cast<std::size_t>((m - 1) * ldc + n) * 4, "gemm_on_bf16_copies C");
   if (alpha == 0.f) {
