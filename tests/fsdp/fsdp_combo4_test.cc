@@ -168,49 +168,6 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FsdpDeviceOnlyHeadCombo, ::testing::Combine(::te
 const MixedPrecisionPolicy kBf16{.param_dtype = DType::bf16, .reduce_dtype = DType::bf16};
 constexpr int kMpSteps = 6, kMpSaveAt = 3;
 
-// Single-rank training with FSDP's casts done by hand (as tests/fsdp/fsdp_mixed_precision_test.cc's reference),
-// `world_a` ranks' rows in steps before kMpSaveAt and `world_b` ranks' rows after: an f32 master stepped by AdamW; a
-// bf16 compute copy; every block's input rounded to bf16; each rank's gradient rounded to bf16, their f32 sum in rank
-// order divided by the count and rounded to bf16 once.
-Params Bf16Reference(int world_a, int world_b) {
-  RankContext ctx;
-  RankContextScope scope(ctx);
-  nn::GPT master(TinyConfig(), 1), compute(TinyConfig(), 1);
-  std::vector<autograd::HookHandle> hooks;
-  for (nn::Module* b : modules_of_type(compute, "TransformerBlock")) {
-    hooks.push_back(b->register_forward_pre_hook([](nn::Module&, const nn::TensorList& in) -> std::optional<nn::TensorList> {
-      return nn::round_floating(in, DType::bf16);
-    }));
-  }
-  auto opt = optim::AdamW::factory()({{master.parameters(), optim::AdamW::default_hyper()}});
-  const std::vector<Tensor> mp = master.parameters(), cp = compute.parameters();
-  for (int step = 0; step < kMpSteps; ++step) {
-    const int world = step < kMpSaveAt ? world_a : world_b, rows = kBatch / world;
-    for (std::size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i].to(DType::bf16));
-    std::vector<std::vector<float>> sum(mp.size());
-    for (int r = 0; r < world; ++r) {
-      for (const Tensor& p : cp) p.set_grad(Tensor());
-      auto [x, y] = Batch(step, r * rows, rows);
-      autograd::backward(compute.loss(x, y));
-      for (std::size_t i = 0; i < mp.size(); ++i) {
-        const std::vector<float> g = cp[i].grad().to(DType::bf16).to(DType::f32).to_vector();
-        if (r == 0) {
-          sum[i] = g;
-        } else {
-          for (std::size_t k = 0; k < g.size(); ++k) sum[i][k] += g[k];
-        }
-      }
-    }
-    (*opt)->zero_grad();
-    for (std::size_t i = 0; i < mp.size(); ++i) {
-      for (float& v : sum[i]) v /= static_cast<float>(world);
-      mp[i].set_grad(Tensor::from_vector(sum[i], mp[i].shape()).to(DType::bf16).to(DType::f32));
-    }
-    EXPECT_TRUE((*opt)->step().ok());
-  }
-  return gpt_tiny::Values(master);
-}
-
 // What one run hands the next: rank 0's full state dicts, or every rank's sharded pieces.
 struct Bf16Checkpoint {
   nn::StateDict model;
@@ -273,7 +230,8 @@ class FsdpBf16ResumeCombo : public ::testing::TestWithParam<std::tuple<bool, int
 // at world B from it: bitwise the single-rank run with the same casts (A's ranks' rows, then B's).
 TEST_P(FsdpBf16ResumeCombo, ResumedAtAnotherWorldSizeIsBitwiseTheSameCasts) {
   const auto [sharded, world_a, world_b] = GetParam();
-  const Params want = Bf16Reference(world_a, world_b);
+  const Params want =
+      test_util::Bf16Reference(kMpSteps, [&](int step) { return step < kMpSaveAt ? world_a : world_b; });
   Bf16Checkpoint ckpt;
   absl::Status st = TrainBf16Span(world_a, 0, kMpSaveAt, sharded, nullptr, &ckpt, nullptr);
   ASSERT_TRUE(st.ok()) << st;

@@ -25,49 +25,6 @@ float RoundBf16(float x) {
   return t.to(DType::bf16).to(DType::f32).to_vector()[0];
 }
 
-// Single-rank training with FSDP's casts done by hand, for `world` ranks' rows: an f32 master model stepped by
-// AdamW; each step a compute model gets the master's values rounded to bf16, every block's input is rounded to bf16,
-// each rank's rows give a gradient rounded to bf16, and the master gets their average as the backends form it (f32
-// sum in rank order, divided by the count, rounded to bf16 once; process_group.h).
-std::vector<std::vector<float>> Bf16Reference(int steps, int world) {
-  RankContext ctx;
-  RankContextScope scope(ctx);
-  nn::GPT master(TinyConfig(), 1), compute(TinyConfig(), 1);
-  std::vector<autograd::HookHandle> hooks;
-  for (nn::Module* b : modules_of_type(compute, "TransformerBlock")) {
-    hooks.push_back(b->register_forward_pre_hook([](nn::Module&, const nn::TensorList& in) -> std::optional<nn::TensorList> {
-      return round_floating(in, DType::bf16);
-    }));
-  }
-  auto opt = optim::AdamW::factory()({{master.parameters(), optim::AdamW::default_hyper()}});
-  const std::vector<Tensor> mp = master.parameters(), cp = compute.parameters();
-  const int rows = kBatch / world;
-  for (int step = 0; step < steps; ++step) {
-    for (std::size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i].to(DType::bf16));
-    std::vector<std::vector<float>> sum(mp.size());
-    for (int r = 0; r < world; ++r) {
-      for (const Tensor& p : cp) p.set_grad(Tensor());
-      auto [x, y] = Batch(step, r * rows, rows);
-      autograd::backward(compute.loss(x, y));
-      for (std::size_t i = 0; i < mp.size(); ++i) {
-        const std::vector<float> g = cp[i].grad().to(DType::bf16).to(DType::f32).to_vector();
-        if (r == 0) {
-          sum[i] = g;
-        } else {
-          for (std::size_t k = 0; k < g.size(); ++k) sum[i][k] += g[k];
-        }
-      }
-    }
-    (*opt)->zero_grad();
-    for (std::size_t i = 0; i < mp.size(); ++i) {
-      for (float& v : sum[i]) v /= static_cast<float>(world);
-      mp[i].set_grad(Tensor::from_vector(sum[i], mp[i].shape()).to(DType::bf16).to(DType::f32));
-    }
-    EXPECT_TRUE((*opt)->step().ok());
-  }
-  return gpt_tiny::Values(master);
-}
-
 std::vector<std::vector<std::vector<float>>> TrainBf16(int world, int steps) {
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
@@ -86,7 +43,7 @@ std::vector<std::vector<std::vector<float>>> TrainBf16(int world, int steps) {
 TEST(FsdpMixedPrecision, Bf16EqualsSingleRankTrainingWithTheSameCasts) {
   for (const int world : {1, 2, 3, 4, 8}) {
     SCOPED_TRACE(::testing::Message() << "n=" << world);
-    gpt_tiny::ExpectMatches(TrainBf16(world, 20), Bf16Reference(20, world), 0.0);
+    gpt_tiny::ExpectMatches(TrainBf16(world, 20), test_util::Bf16Reference(20, [world](int) { return world; }), 0.0);
   }
 }
 

@@ -1,11 +1,14 @@
 // Shared helpers of the fsdp tests: shard GPT-tiny bottom-up, train a rank on its rows, read the full model.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
 
 #include "common/comm/testing/run_ranks.h"
+#include "common/nn/mixed_precision.h"
+#include "common/optim/adam.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/state_dict.h"
 #include "tests/testing/gpt_tiny_data.h"
@@ -56,6 +59,50 @@ inline absl::Status StoreFullValues(nn::Module& model, std::vector<std::vector<s
   if (!values.ok()) return values.status();
   got[static_cast<std::size_t>(rank)] = std::move(*values);
   return absl::OkStatus();
+}
+
+// Single-rank training with FSDP's casts done by hand (bf16 parameters and reductions), in step s for world_at(s)
+// ranks' rows: an f32 master model stepped by AdamW; each step a compute model gets the master's values rounded to
+// bf16, every block's input is rounded to bf16, each rank's rows give a gradient rounded to bf16, and the master gets
+// their average as the backends form it (f32 sum in rank order, divided by the count, rounded to bf16 once;
+// process_group.h).
+inline std::vector<std::vector<float>> Bf16Reference(int steps, const std::function<int(int)>& world_at) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  nn::GPT master(gpt_tiny::TinyConfig(), 1), compute(gpt_tiny::TinyConfig(), 1);
+  std::vector<autograd::HookHandle> hooks;
+  for (nn::Module* b : modules_of_type(compute, "TransformerBlock")) {
+    hooks.push_back(b->register_forward_pre_hook([](nn::Module&, const nn::TensorList& in) -> std::optional<nn::TensorList> {
+      return nn::round_floating(in, DType::bf16);
+    }));
+  }
+  auto opt = optim::AdamW::factory()({{master.parameters(), optim::AdamW::default_hyper()}});
+  const std::vector<Tensor> mp = master.parameters(), cp = compute.parameters();
+  for (int step = 0; step < steps; ++step) {
+    const int world = world_at(step), rows = gpt_tiny::kBatch / world;
+    for (std::size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i].to(DType::bf16));
+    std::vector<std::vector<float>> sum(mp.size());
+    for (int r = 0; r < world; ++r) {
+      for (const Tensor& p : cp) p.set_grad(Tensor());
+      auto [x, y] = gpt_tiny::Batch(step, r * rows, rows);
+      autograd::backward(compute.loss(x, y));
+      for (std::size_t i = 0; i < mp.size(); ++i) {
+        const std::vector<float> g = cp[i].grad().to(DType::bf16).to(DType::f32).to_vector();
+        if (r == 0) {
+          sum[i] = g;
+        } else {
+          for (std::size_t k = 0; k < g.size(); ++k) sum[i][k] += g[k];
+        }
+      }
+    }
+    (*opt)->zero_grad();
+    for (std::size_t i = 0; i < mp.size(); ++i) {
+      for (float& v : sum[i]) v /= static_cast<float>(world);
+      mp[i].set_grad(Tensor::from_vector(sum[i], mp[i].shape()).to(DType::bf16).to(DType::f32));
+    }
+    EXPECT_TRUE((*opt)->step().ok());
+  }
+  return gpt_tiny::Values(master);
 }
 
 }  // namespace shardkit::fsdp::test_util
