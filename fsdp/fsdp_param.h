@@ -4,7 +4,7 @@
 // A parameter of global shape [d0, d1, ...] is cut into rows: with N ranks each rank r owns rows
 // [r·c, r·c + local_rows) where c = ceil(d0 / N) and local_rows = clamp(d0 − r·c, 0, c) (the last ranks may own
 // fewer rows, or none). A 0-d parameter is one row of one element. At rest the module's parameter *is* the
-// sharded tensor: a leaf of shape [local_rows, d1, ...] that requires grad, so an optimizer built from
+// sharded tensor: a leaf of shape [local_rows, d1, ...] that requires grad (unless frozen), so an optimizer built from
 // model.parameters() steps the shards with no FSDP code, and its state is sized by the rows a rank owns. Its
 // bytes live in the unit's shard buffer (param_group.h) at `shard_offset`, followed by padding up to c rows,
 // so every rank contributes the same number of elements to the unit's all_gather; the padding holds zeros and
@@ -17,8 +17,9 @@
 // see the new bytes when backward unshards again: nothing is re-bound per pass. Backward accumulates the full
 // gradient in unsharded.grad(); the unit's reduce_scatter turns it into sharded.grad() (the same rows).
 //
-// Freezing: the unsharded tensor takes the shard's requires_grad at each unshard, so a parameter frozen after
-// fully_shard (model.set_requires_grad(false) at rest sets it on the shard) gets no gradient and no update.
+// Freezing: the shards take the requires_grad the parameter had at fully_shard, and the unsharded tensor takes the
+// shard's at each unshard, so a frozen parameter (frozen before fully_shard, or after it: model.set_requires_grad(
+// false) at rest sets it on the shard) gets no gradient and no update, and trains again once unfrozen.
 //
 // Every registration of the parameter (a tensor registered under several names, e.g. a tied embedding used
 // by two modules of one unit) is swapped together.
@@ -64,8 +65,8 @@ struct FSDPParam {
   std::int64_t full_offset = 0;   // elements into the unit's unsharded buffer
   // Gathered and reduced by a collective of its own (Note [own collectives] in param_group.cc).
   bool own_collective = false;
-  Tensor sharded;                 // the module's parameter at rest (leaf, requires grad)
-  Tensor unsharded;               // the module's parameter while unsharded (leaf, requires grad)
+  Tensor sharded;                 // the module's parameter at rest (leaf; requires grad unless frozen)
+  Tensor unsharded;               // the module's parameter while unsharded (leaf; requires grad as `sharded`)
   // Whether the unsharded values are the shards' own (an f32 gather) rather than their param_dtype roundings
   // (Note [mixed precision on f32 ops]): only exact values may be written back into the shards or saved.
   bool unsharded_exact = true;

@@ -14,7 +14,7 @@ std::string join_name(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
 }
 
-// Parameters of `module`'s subtree that are not this call's to take, frozen or not: those of nested units,
+// Parameters of `module`'s subtree that are not this call's to take: those of nested units,
 // ignored_params, and leave_to_ancestor (an ancestor's call takes them).
 std::set<const TensorImpl*> not_this_calls(nn::Module& module, const FullyShardOptions& options) {
   std::set<const TensorImpl*> skip;
@@ -28,17 +28,6 @@ std::set<const TensorImpl*> not_this_calls(nn::Module& module, const FullyShardO
   return skip;
 }
 
-// The parameters of `module`'s subtree that this call leaves whole because they are frozen (requires_grad false),
-// each once under its first name.
-std::vector<FrozenParam> frozen_at_call(nn::Module& module, const FullyShardOptions& options) {
-  std::set<const TensorImpl*> skip = not_this_calls(module, options);
-  std::vector<FrozenParam> out;
-  for (const auto& [name, t] : module.named_parameters()) {
-    if (!t.requires_grad() && skip.insert(t.id()).second) out.push_back({name, t});
-  }
-  return out;
-}
-
 // The parameters a fully_shard call on `module` manages (see fully_shard.h), grouped by tensor: every
 // registration of a tensor in the subtree together, in named_parameters() order.
 absl::StatusOr<std::vector<FSDPParam>> params_to_manage(nn::Module& module, const FullyShardOptions& options) {
@@ -47,7 +36,7 @@ absl::StatusOr<std::vector<FSDPParam>> params_to_manage(nn::Module& module, cons
   std::map<const TensorImpl*, std::size_t> index;
   for (const auto& [mname, m] : module.named_modules()) {
     for (const auto& [lname, t] : m->local_parameters()) {
-      if (skip.count(t.id()) != 0 || !t.requires_grad()) continue;  // nested, ignored or frozen
+      if (skip.count(t.id()) != 0) continue;  // nested, ignored or left to an ancestor
       const std::string fqn = join_name(mname, lname);
       if (auto it = index.find(t.id()); it != index.end()) {
         out[it->second].names.push_back(fqn);
@@ -112,7 +101,6 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   }
   auto params = params_to_manage(module, options);
   if (!params.ok()) return params.status();
-  std::vector<FrozenParam> frozen = frozen_at_call(module, options);
   std::vector<Tensor> originals;
   for (const FSDPParam& p : *params) originals.push_back(p.registrations.front().first->parameter(p.registrations.front().second));
   for (std::size_t i = 1; i < originals.size(); ++i) {  // Note [unit on a device] in param_group.cc
@@ -139,7 +127,6 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
     if (t.offset_bytes() == 0 && t.storage()->nbytes() == t.nbytes() && !t.storage_released()) t.release_storage();
   }
   auto state = std::make_shared<FSDPState>(module, std::move(group), std::move(options), std::move(pg));
-  state->set_frozen_at_call(std::move(frozen));
   module.set_attachment(kFsdpAttachment, std::move(state));
   return state_of(module);
 }

@@ -40,10 +40,11 @@
 //   * the first forward goes through the root (the outermost sharded module); a sharded module that runs inside
 //     the root's forward must be under the root;
 //   * every rank runs the same units in forward (parameters unused inside a unit are fine);
-//   * frozen parameters (requires_grad false at the call) and FullyShardOptions::ignored_params stay whole and
-//     replicated; FSDP neither shards nor reduces them. Unfreezing such a parameter later is refused: the unit's
-//     next forward fails with FailedPrecondition naming it (Note [unfrozen after fully_shard] in state.cc), since
-//     each rank would step its own gradient. A parameter frozen after the call is sharded and may be unfrozen.
+//   * frozen parameters (requires_grad false) are sharded like the others, whether frozen before or after the
+//     call (as FSDP2): their shards carry requires_grad, get no gradient and no update while frozen, and may be
+//     unfrozen or frozen at rest at any time, the same on every rank. A unit whose parameters are all frozen
+//     reduces nothing (Note [frozen units reduce nothing] in param_group.cc);
+//   * FullyShardOptions::ignored_params stay whole and replicated; FSDP neither shards nor reduces them.
 //
 // Thread-safety: one rank's thread. Collectives: unshard, the forward and backward hooks, clip_grad_norm,
 // the state dicts.

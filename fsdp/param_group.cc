@@ -148,11 +148,11 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
               p.split.row_numel);
     if (was_deferred && full.nbytes() > 0) full.release_storage();
     p.sharded = shard_.view(p.shard_offset, p.local_shape);
-    p.sharded.set_requires_grad(true);
+    p.sharded.set_requires_grad(full.requires_grad());  // a frozen parameter's shards are frozen (fsdp_param.h)
     p.unsharded = full_.view(full_offset, p.global_shape);
     p.full_offset = full_offset;
     full_offset += p.unsharded.numel();
-    p.unsharded.set_requires_grad(true);
+    p.unsharded.set_requires_grad(true);  // (for the post-accumulate hooks; each unshard copies the shard's)
     p.register_as(p.sharded);
   }
 }
@@ -311,6 +311,17 @@ bool ParamGroup::has_unsharded_grads() const {
     if (p.unsharded.grad().defined()) return true;
   }
   return false;
+}
+
+// Note [frozen units reduce nothing]
+// fully_shard shards frozen parameters too (FSDP2; fine-tuning a frozen backbone keeps 1/N of it per rank), and a
+// frozen parameter's shards are frozen: no gradient, no update, until the user unfreezes them. A unit whose
+// parameters are all frozen skips its reduce (reduce_scatter and the used-parameter flags): no rank has a gradient
+// to give, and freezing is the same on every rank, so every rank skips it together. A unit with some frozen
+// parameters reduces zeros for them (one reduce_scatter over the unit's fixed layout).
+bool ParamGroup::needs_reduce() const {
+  return partial_.defined() ||
+         std::any_of(params_.begin(), params_.end(), [](const FSDPParam& p) { return p.sharded.requires_grad(); });
 }
 
 void ParamGroup::drop_unsharded_grads() {

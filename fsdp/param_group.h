@@ -110,6 +110,9 @@ class ParamGroup {
   std::int64_t unsharded_bytes() const { return shard_.nbytes() * pg_->size(); }
   // Whether any unsharded gradient is defined (gradients not reduced yet).
   bool has_unsharded_grads() const;
+  // Whether a reduce has anything to do: a parameter requires grad, or HSDP rows wait for their all-reduce. The same
+  // on every rank (freezing is), unlike has_unsharded_grads (Note [frozen units reduce nothing] in param_group.cc).
+  bool needs_reduce() const;
   // Drops the unsharded gradients and a reduce in flight (a failed backward).
   void drop_unsharded_grads();
 

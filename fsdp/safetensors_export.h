@@ -18,7 +18,7 @@
 // map says. A rank therefore holds, beyond its shards, the tensors of its own part plus the one tensor it is
 // receiving: about 4Ψ/N bytes (MemoryCategory::other), never the whole model at N >= 2 (tested). It writes its
 // part file (atomically), rank 0 also the index, and a barrier ends the call: when it returns OK on any rank,
-// every file is complete and may be read. Parameters FSDP does not shard (frozen at fully_shard, ignored) and
+// every file is complete and may be read. Parameters FSDP does not shard (ignored_params) and
 // buffers are whole on every rank: their writer uses its own copy.
 //
 // Ordering: within one tensor, every sender's rows go to one receiver; ranks go through the tensors in the same

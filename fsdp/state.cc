@@ -258,27 +258,9 @@ void FSDPState::reshard_unit() {
 // unsharded afterwards (no reshard_after_forward) and out of RootContext::unit_outputs: its pre-backward hook, on
 // the recomputed outputs, comes next and finds it gathered, so checkpointing costs no extra all-gather.
 
-// Note [unfrozen after fully_shard]
-// fully_shard leaves a parameter that is frozen at the call whole on every rank and never reduces its gradient
-// (fully_shard.h). Unfreezing it later would let each rank step its own gradient, so the replicas drift apart with
-// no error (a helper's audit found it: tests/fsdp/fsdp_combo_test.cc). So every forward of the unit checks those
-// parameters first, before any collective, and fails naming the first that requires grad again. Freezing after
-// fully_shard is the way that works both ways: the shards then carry requires_grad (fsdp_param.h).
-void FSDPState::check_still_frozen() const {
-  for (const FrozenParam& f : frozen_at_call_) {
-    if (!f.tensor.requires_grad()) continue;
-    throw FsdpError(absl::FailedPreconditionError(absl::StrCat(
-        "fsdp: parameter '", f.name, "' of this ", module_->type_name(),
-        " was frozen (requires_grad false) when fully_shard was called, so FSDP keeps it whole and does not reduce "
-        "its gradient; it requires grad now, and training it so would leave each rank's copy apart. Freeze it after "
-        "fully_shard instead (the shards follow requires_grad), or unfreeze it before the call")));
-  }
-}
-
 void FSDPState::pre_forward(const TensorList& inputs) {
   if (ctx_ == nullptr) lazy_init();
   if (state_ == TrainingState::summoned) return;  // gathers and releases nothing until reshard()
-  check_still_frozen();
   const bool recompute = autograd::is_backward_running();  // Note [forward inside backward]
   if (is_root() && !recompute) {
     // A backward that ended without its final callback (a hook threw): start clean.
@@ -377,7 +359,8 @@ void FSDPState::reduce_unit() {
   reduced_ = true;
   state_ = TrainingState::post_backward;
   // Sync off (accumulation): the full gradients stay on the unsharded parameters until a synchronised backward.
-  if (params_ != nullptr && requires_gradient_sync_) {  // Note [reduce-scatter in flight]
+  // Note [reduce-scatter in flight]; Note [frozen units reduce nothing] in param_group.cc.
+  if (params_ != nullptr && requires_gradient_sync_ && params_->needs_reduce()) {
     finish_reduces(0);
     if (absl::Status s = params_->start_reduce_grads(divide_factor_, requires_all_reduce_); !s.ok()) throw FsdpError(std::move(s));
     ctx_->reducing.push_back({this, ctx_->hooks});

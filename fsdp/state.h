@@ -98,12 +98,6 @@ struct RootContext {
   CommOverlapStats overlap;
 };
 
-// A parameter fully_shard left whole because it was frozen at the call (fully_shard.h), by its name under the unit.
-struct FrozenParam {
-  std::string name;
-  Tensor tensor;
-};
-
 class FSDPState : public nn::Module::Attachment {
  public:
   FSDPState(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group, FullyShardOptions options,
@@ -115,8 +109,6 @@ class FSDPState : public nn::Module::Attachment {
   ParamGroup* param_group() const { return params_.get(); }
   comm::ProcessGroup& process_group() const { return *pg_; }
   const FullyShardOptions& options() const { return options_; }
-  // Note [unfrozen after fully_shard]: each forward refuses to run once one of these requires grad.
-  void set_frozen_at_call(std::vector<FrozenParam> frozen) { frozen_at_call_ = std::move(frozen); }
   TrainingState training_state() const { return state_; }
   bool is_root() const { return ctx_ != nullptr && ctx_->root == this; }
   // The states of `module` and its submodules (this one included), in module order.
@@ -142,7 +134,6 @@ class FSDPState : public nn::Module::Attachment {
     if (ctx_ != nullptr) ctx_->overlap = {};
   }
 
-  void check_still_frozen() const;  // Note [unfrozen after fully_shard]
   void pre_forward(const TensorList& inputs);
   void post_forward(const TensorList& inputs, const TensorList& outputs);
 
@@ -184,7 +175,6 @@ class FSDPState : public nn::Module::Attachment {
   std::optional<double> divide_factor_;
   bool reduced_ = false;  // in the current backward
   bool pending_is_last_backward_ = true;
-  std::vector<FrozenParam> frozen_at_call_;  // Note [unfrozen after fully_shard]
   std::vector<autograd::HookHandle> module_hooks_;
   struct BackwardHook {
     std::int64_t forward = 0;  // the root forward that registered it

@@ -76,7 +76,7 @@ absl::StatusOr<optim::OptimizerStateDict> from_named(const nn::Module& root, con
 // Note [loading sharded pieces]
 // A sharded state dict is one piece per rank; each of its tensors holds rows [row_offset, row_offset + rows) of
 // a tensor of shape global_shape (rows on dim 0, Note [per-parameter dim-0 shards]; a 0-d tensor is one row).
-// Parameters FSDP does not shard (ignored, frozen at fully_shard) and buffers are whole in every rank's piece:
+// Parameters FSDP does not shard (FullyShardOptions::ignored_params) and buffers are whole in every rank's piece:
 // row_offset 0, local shape == global shape (replicas).
 //
 // The loaders take every piece of a checkpoint (all ranks' pieces, written at any world size, e.g. read back from

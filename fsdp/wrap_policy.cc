@@ -49,7 +49,7 @@ void collect_uses(nn::Module* m, const std::string& prefix, std::vector<nn::Modu
   if (std::find(path.begin(), path.end(), m) != path.end()) return;  // a cycle: reached already on this path
   path.push_back(m);
   for (const auto& [name, t] : m->local_parameters()) {
-    if (!t.requires_grad() || ignored.contains(t.id())) continue;  // fully_shard leaves these whole
+    if (ignored.contains(t.id())) continue;  // fully_shard leaves these whole
     auto [it, fresh] = index.try_emplace(t.id(), uses.size());
     if (fresh) {
       uses.push_back({t, join_name(prefix, name), {path}, path});
@@ -100,7 +100,7 @@ WrapPolicy by_parameter_count(std::int64_t min_num_params) {
       std::int64_t left = 0;
       std::vector<const TensorImpl*> mine;
       for (const auto& [name, t] : m->named_parameters()) {  // each distinct tensor once
-        if (!t.requires_grad() || taken.contains(t.id())) continue;
+        if (taken.contains(t.id())) continue;
         left += t.numel();
         mine.push_back(t.id());
       }

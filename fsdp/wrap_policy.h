@@ -22,7 +22,7 @@
 // subtrees) stay whole and replicated on every rank: no unit shards, gathers or reduces them, so after backward
 // their gradient is this rank's own (from this rank's inputs), not the average over ranks; a training loop that
 // wants them averaged all_reduces them itself. A module a policy chooses inside an ignored module is not made a
-// unit. Frozen parameters (requires_grad false when auto_shard runs) stay whole too, as with fully_shard.
+// unit. Frozen parameters are sharded like the others (fully_shard.h).
 #pragma once
 
 #include <cstdint>
@@ -55,8 +55,8 @@ WrapPolicy by_module_type(std::set<std::string> types);
 
 // FSDP1's size_based_auto_wrap_policy, children first: walking bottom-up, a module is chosen when the
 // parameters under it (itself included) that no module chosen below it already took reach `min_num_params`
-// elements. Each distinct trainable tensor counts once (a tied weight is one tensor); frozen parameters do not
-// count (no unit would shard them). Containers without a forward of their own (ModuleList) are never chosen:
+// elements. Each distinct tensor counts once (a tied weight is one tensor), frozen or not (a unit shards both).
+// Containers without a forward of their own (ModuleList) are never chosen:
 // their parameters count toward the module that calls them, as FSDP1's exclude_wrap_modules. A module with
 // nothing left to take is never chosen.
 WrapPolicy by_parameter_count(std::int64_t min_num_params);

@@ -191,9 +191,9 @@ TEST(FsdpShardedState, RoundTripAtTheSameWorldIsBitwise) {
   EXPECT_EQ(reloaded, continued);
 }
 
-// Parameters FSDP does not shard (frozen at fully_shard) are whole in every rank's piece; the copies are replicas
-// and load at another world size.
-TEST(FsdpShardedState, FrozenParametersAreWholeReplicas) {
+// Frozen parameters are sharded like the others (fully_shard.h): each rank's piece holds its rows, they load at
+// another world size, and the loaded shards stay frozen.
+TEST(FsdpShardedState, FrozenParametersAreShardedAndLoadAtAnotherWorldSize) {
   std::vector<std::vector<float>> want;
   {
     RankContext ctx;
@@ -211,17 +211,19 @@ TEST(FsdpShardedState, FrozenParametersAreWholeReplicas) {
     return absl::OkStatus();
   });
   ASSERT_TRUE(st.ok()) << st;
-  for (ShardedStateDict& piece : pieces) {
-    const ShardedEntry* ln = Find(piece, "ln_f.weight");
+  for (std::size_t r = 0; r < pieces.size(); ++r) {
+    const ShardedEntry* ln = Find(pieces[r], "ln_f.weight");
     ASSERT_NE(ln, nullptr);
-    EXPECT_EQ(ln->row_offset, 0);
-    EXPECT_EQ(ln->local.shape(), ln->global_shape);
+    const std::int64_t rows = ln->global_shape[0];
+    EXPECT_EQ(ln->row_offset, static_cast<std::int64_t>(r) * rows / 2) << "rank " << r;
+    EXPECT_EQ(ln->local.shape(), Shape({rows / 2})) << "rank " << r;
   }
   st = comm::RunRanks(3, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 7);
     model.ln_f->set_requires_grad(false);
     if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
     if (absl::Status s = load_sharded_state_dict(model, pieces); !s.ok()) return s;
+    EXPECT_FALSE(model.ln_f->parameter("weight").requires_grad()) << "rank " << env.rank;
     auto values = test_util::FullValues(model);
     if (!values.ok()) return values.status();
     EXPECT_EQ(*values, want) << "rank " << env.rank;

@@ -121,10 +121,10 @@ TEST(FsdpWrapPolicy, ByParameterCountAtExactThresholds) {
   EXPECT_THAT(Chosen(tree, by_parameter_count(15)), ElementsAre("enc.a", "enc.b", "mid", "dec", "extra.0", "extra.1"));
   // extra holds 30 but has no forward of its own: never chosen, its parameters count toward the root.
   EXPECT_THAT(Chosen(tree, by_parameter_count(30)), ElementsAre("enc.a", "enc.b"));
-  // Frozen parameters do not count.
+  // Frozen parameters count too: a unit shards them (fully_shard.h).
   tree.enc->a->set_requires_grad(false);
-  EXPECT_THAT(Chosen(tree, by_parameter_count(40)), IsEmpty());
-  EXPECT_THAT(Chosen(tree, by_parameter_count(36)), ElementsAre("enc.b"));
+  EXPECT_THAT(Chosen(tree, by_parameter_count(40)), ElementsAre("enc.a")) << "as above";
+  EXPECT_THAT(Chosen(tree, by_parameter_count(36)), ElementsAre("enc.a", "enc.b"));
 
   // GPT-tiny: a block is 3280 elements, its MLP 2128 (fc 1088, proj 1040), its attention 1088; wte 1024 is the
   // same tensor as lm_head.weight, counted once.
