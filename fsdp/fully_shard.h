@@ -42,8 +42,9 @@
 //   * every rank runs the same units in forward (parameters unused inside a unit are fine);
 //   * frozen parameters (requires_grad false) are sharded like the others, whether frozen before or after the
 //     call (as FSDP2): their shards carry requires_grad, get no gradient and no update while frozen, and may be
-//     unfrozen or frozen at rest at any time, the same on every rank. A unit whose parameters are all frozen
-//     reduces nothing (Note [frozen units reduce nothing] in param_group.cc);
+//     unfrozen or frozen at rest between steps, the same on every rank. A reduce moves the gradients of the
+//     parameters that require grad only; a unit whose parameters are all frozen reduces nothing (Note [frozen
+//     parameters are not reduced] in param_group.cc);
 //   * FullyShardOptions::ignored_params stay whole and replicated; FSDP neither shards nor reduces them.
 //
 // Thread-safety: one rank's thread. Collectives: unshard, the forward and backward hooks, clip_grad_norm,

@@ -195,9 +195,19 @@ void ParamGroup::reshard_to_group() {
   k_resharded_ = true;
 }
 
+// Note [kept after backward, stale after a step]
+// set_reshard_after_backward(false) keeps a unit's unsharded parameters after its backward so that the next forward
+// (an accumulation micro-batch) need not gather them again. But once the unit's gradients reach its shards (a
+// synchronised backward), an optimizer step may change the shards, and the kept full values are then stale: a
+// helper's audit found the next forward computing with the pre-step parameters, and summon_full_params' write-back
+// copying those stale rows over the stepped shards, so reading the model reverted the step
+// (tests/fsdp/fsdp_combo6_test.cc). So delivering gradients to the shards marks the kept values stale: they are no
+// longer "unsharded" for unshard() (the next forward, backward or summon releases them and gathers again) and
+// write_back() ignores them. Keeping pays off within accumulation (no reduce), as FSDP2's recipe uses it.
 absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) {
   UnshardHandle h;
-  if (unsharded_) return h;
+  if (unsharded_ && !stale_) return h;
+  if (stale_) reshard();
   h.group_ = this;
   if (k_resharded_) {  // Note [reshard to a k-group]: gather within the k-group
     h.gathered_ = Tensor::empty({kshard_.numel() * k_}, options(MemoryCategory::communication_buffer));
@@ -278,6 +288,7 @@ absl::Status ParamGroup::finish_unshard(const Tensor& gathered, bool own) {
     k_resharded_ = false;
   }
   unsharded_ = true;
+  stale_ = false;
   return absl::OkStatus();
 }
 
@@ -292,6 +303,7 @@ void ParamGroup::reshard() {
     kshard_.release_storage();
     k_resharded_ = false;
   }
+  stale_ = false;
   if (!unsharded_) return;
   for (FSDPParam& p : params_) p.register_as(p.sharded);
   full_.release_storage();
@@ -299,7 +311,7 @@ void ParamGroup::reshard() {
 }
 
 void ParamGroup::write_back() {
-  if (!unsharded_ || !unsharded_exact()) return;
+  if (!unsharded_ || stale_ || !unsharded_exact()) return;
   for (FSDPParam& p : params_) {
     copy_rows(p.sharded, 0, p.unsharded, p.split.row_offset * p.split.row_numel, p.split.local_rows,
               p.split.row_numel);
@@ -313,12 +325,33 @@ bool ParamGroup::has_unsharded_grads() const {
   return false;
 }
 
-// Note [frozen units reduce nothing]
+// Note [frozen parameters are not reduced]
 // fully_shard shards frozen parameters too (FSDP2; fine-tuning a frozen backbone keeps 1/N of it per rank), and a
-// frozen parameter's shards are frozen: no gradient, no update, until the user unfreezes them. A unit whose
-// parameters are all frozen skips its reduce (reduce_scatter and the used-parameter flags): no rank has a gradient
-// to give, and freezing is the same on every rank, so every rank skips it together. A unit with some frozen
-// parameters reduces zeros for them (one reduce_scatter over the unit's fixed layout).
+// frozen parameter's shards are frozen: no gradient, no update, until the user unfreezes them. So a reduce moves
+// the rows of the parameters that require grad only, as FSDP2 reduce-scatters only the gradients that exist: with
+// a few trainable parameters in a large frozen unit (adapters), the reduce_scatter and its buffers are the size of
+// the trainable ones. The layout is a function of requires_grad and the shapes, which are the same on every rank
+// (freezing is), so every rank issues the same collectives; a unit whose parameters are all frozen reduces nothing
+// at all (no reduce_scatter, no flags). The used-parameter flags still cover every parameter (small). A parameter
+// frozen while its unsharded gradient waits (inside no_sync) loses that gradient at the next reduce, as frozen
+// parameters get none. HSDP rows kept for a deferred all-reduce carry their layout; a reduce with another layout
+// (requires_grad changed between the backwards of one accumulation) is refused.
+ParamGroup::ReduceLayout ParamGroup::reduce_layout(bool own) const {
+  ReduceLayout l;
+  l.offsets.assign(params_.size(), -1);
+  for (const bool own_pass : {false, true}) {  // the shard buffer's order (Note [own collectives])
+    if (own_pass) l.shared = own ? l.total : 0;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const FSDPParam& p = params_[i];
+      if (p.own_collective != own_pass || !p.sharded.requires_grad()) continue;
+      l.offsets[i] = l.total;
+      l.total += p.padded_numel();
+    }
+  }
+  if (!own) l.shared = l.total;
+  return l;
+}
+
 bool ParamGroup::needs_reduce() const {
   return partial_.defined() ||
          std::any_of(params_.begin(), params_.end(), [](const FSDPParam& p) { return p.sharded.requires_grad(); });
@@ -338,14 +371,15 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
   if (absl::Status st = finish_reduce_grads(); !st.ok()) return st;
   const int world = pg_->size();
   const bool own = own_reduce();  // Note [own collectives]
-  // Rank stride of the reduce_scatter input: the shared parameters only when the others reduce on their own.
-  const std::int64_t s = own ? shared_numel_ : shard_.numel();
-  // Every element is written once: a gradient's rows (cast to reduce_dtype), or zeros (padding, parameters without
-  // a gradient).
-  const DType rd = mp_.reduce_in();
-  const Tensor flat = s == 0 ? Tensor() : Tensor::empty({s * world}, options(MemoryCategory::communication_buffer, rd));
   PendingReduce pending;
-  pending.out = Tensor::empty({shard_.numel()}, options(MemoryCategory::gradient, rd));
+  pending.layout = reduce_layout(own);  // Note [frozen parameters are not reduced]
+  const ReduceLayout& l = pending.layout;
+  // Every element of the reduce_scatter input is written once: a gradient's rows (cast to reduce_dtype), or zeros
+  // (padding, parameters without a gradient on this rank).
+  const DType rd = mp_.reduce_in();
+  const Tensor flat =
+      l.shared == 0 ? Tensor() : Tensor::empty({l.shared * world}, options(MemoryCategory::communication_buffer, rd));
+  pending.out = Tensor::empty({l.total}, options(MemoryCategory::gradient, rd));
   pending.divide_factor = divide_factor;
   pending.all_reduce_replicas = all_reduce_replicas;
   const comm::ReduceOp op = divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
@@ -354,33 +388,36 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
   for (const FSDPParam& p : params_) had_grad.push_back(p.unsharded.grad().defined() ? 1 : 0);
   // Own reduce_scatters are issued in parameter order after the shared one (Note [own collectives]).
   std::vector<std::pair<const FSDPParam*, Tensor>> own_inputs;
-  for (FSDPParam& p : params_) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    FSDPParam& p = params_[i];
     const Tensor g = p.unsharded.grad();
     SK_CHECK(!g.defined() || (g.dtype() == DType::f32 && g.numel() == p.unsharded.numel())) << "fsdp: gradient " << g.describe();
+    if (g.defined()) p.unsharded.set_grad(Tensor());  // released once it is in the input (or the input itself)
+    const std::int64_t offset = l.offsets[i];
+    if (offset < 0) continue;  // frozen
     if (own && p.own_collective) {
       // Its gradient is the input as it is (zeros when it got none).
       own_inputs.emplace_back(&p, g.defined() ? g : Tensor::zeros({p.unsharded.numel()}, options(MemoryCategory::communication_buffer)));
-      if (g.defined()) p.unsharded.set_grad(Tensor());
       continue;
     }
     for (int r = 0; r < world; ++r) {
       const RowSplit rs = split_rows(p.global_shape, r, world);
-      const std::int64_t at = r * s + p.shard_offset;
+      const std::int64_t at = r * l.shared + offset;
       const std::int64_t filled = g.defined() ? rs.local_rows * rs.row_numel : 0;
       if (filled > 0) copy_rows(flat, at, g, rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
       zero_range(flat, at + filled, p.padded_numel() - filled);
     }
-    if (g.defined()) p.unsharded.set_grad(Tensor());  // the full gradient is released once it is in the buffer
   }
   // The Works hold `flat` and the gradients until the peers are done with them; this rank drops them here.
-  if (s > 0) {
-    const Tensor out = s == shard_.numel() ? pending.out : pending.out.view(0, {s});
+  if (l.shared > 0) {
+    const Tensor out = l.shared == l.total ? pending.out : pending.out.view(0, {l.shared});
     pending.works.push_back(pg_->reduce_scatter(out, flat, {.op = op, .timeout = timeout(),
                                                             .tag = absl::StrCat("fsdp reduce_scatter ", name_)}));
   }
   for (const auto& [p, g] : own_inputs) {
     pending.works.push_back(pg_->reduce_scatter(
-        pending.out.view(p->shard_offset, {p->padded_numel()}), g.view(0, {g.numel()}),
+        pending.out.view(l.offsets[static_cast<std::size_t>(p - params_.data())], {p->padded_numel()}),
+        g.view(0, {g.numel()}),
         {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_, " ", p->names.front())}));
   }
   pending.used = comm::flags_tensor(had_grad, device_, rd);
@@ -421,11 +458,20 @@ absl::Status ParamGroup::finish_reduce_grads() {
     if (!partial_used_.empty()) {
       for (std::size_t i = 0; i < used.size(); ++i) used[i] = used[i] || partial_used_[i];
     }
+    if (partial_.defined() && partial_offsets_ != pending.layout.offsets) {  // Note [frozen parameters are not reduced]
+      partial_ = Tensor();
+      partial_used_.clear();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "fsdp: a parameter of ", name_, " was frozen or unfrozen between two backwards whose gradients wait for one "
+          "all-reduce across the replicas (set_requires_all_reduce(false)); the gradients kept so far are dropped. "
+          "Change requires_grad between steps"));
+    }
     if (!pending.all_reduce_replicas) {
       if (partial_.defined()) {
         kernels::add(partial_, out, partial_);
       } else {
         partial_ = out;
+        partial_offsets_ = pending.layout.offsets;
       }
       partial_used_ = std::move(used);
       return absl::OkStatus();
@@ -458,13 +504,18 @@ absl::Status ParamGroup::finish_reduce_grads() {
   if (offload_) out = out.to(Device::cpu(), MemoryCategory::gradient);  // Note [cpu offload]
   for (std::size_t i = 0; i < params_.size(); ++i) {
     FSDPParam& p = params_[i];
-    if (!p.sharded.requires_grad()) continue;  // frozen: the optimizer must not step it
-    const Tensor mine = out.view(p.shard_offset, p.local_shape);
+    const std::int64_t offset = pending.layout.offsets[i];
+    // Frozen when the reduce started: not reduced. Frozen since (between the backward and its wait): no gradient.
+    if (offset < 0 || !p.sharded.requires_grad()) continue;
+    const Tensor mine = out.view(offset, p.local_shape);
     if (const Tensor acc = p.sharded.grad(); acc.defined()) {  // accumulation over several backwards
       kernels::add(acc, mine, acc);
     } else if (used[i]) {
       p.sharded.set_grad(mine);
-    }  // else no rank used it: no gradient, as on one rank (Note [parameters no rank used])
+    } else {
+      continue;  // no rank used it: no gradient, as on one rank (Note [parameters no rank used])
+    }
+    stale_ = stale_ || unsharded_;  // Note [kept after backward, stale after a step]
   }
   return absl::OkStatus();
 }

@@ -81,7 +81,7 @@ class ParamGroup {
   // After forward, while unsharded: keep this rank's k-shard, release the unsharded tensors.
   void reshard_to_group();
 
-  // Starts unsharding (a no-op handle when already unsharded). Collective (over the k-group after
+  // Starts unsharding (a no-op handle when already unsharded with current values). Collective (over the k-group after
   // reshard_to_group(), else over the whole group).
   // exact: gather f32 whatever param_dtype is (summon_full_params: values to read, write and save).
   absl::StatusOr<UnshardHandle> unshard_async(bool exact = false);
@@ -89,7 +89,9 @@ class ParamGroup {
   // Whether the unsharded values are the shards' own (FSDPParam::unsharded_exact); true when sharded.
   bool unsharded_exact() const { return !unsharded_ || params_.empty() || params_.front().unsharded_exact; }
   void reshard();
-  bool is_unsharded() const { return unsharded_; }
+  // Unsharded with values still current: false once the shards got gradients since the unshard (Note [kept after
+  // backward, stale after a step] in param_group.cc); the next unshard then gathers again.
+  bool is_unsharded() const { return unsharded_ && !stale_; }
   // While unsharded with exact values: copies this rank's rows of the unsharded parameters into the shards (values
   // written to the full parameters, e.g. by load_state_dict, survive the next reshard()). A no-op otherwise.
   void write_back();
@@ -111,7 +113,8 @@ class ParamGroup {
   // Whether any unsharded gradient is defined (gradients not reduced yet).
   bool has_unsharded_grads() const;
   // Whether a reduce has anything to do: a parameter requires grad, or HSDP rows wait for their all-reduce. The same
-  // on every rank (freezing is), unlike has_unsharded_grads (Note [frozen units reduce nothing] in param_group.cc).
+  // on every rank (freezing is), unlike has_unsharded_grads (Note [frozen parameters are not reduced] in
+  // param_group.cc).
   bool needs_reduce() const;
   // Drops the unsharded gradients and a reduce in flight (a failed backward).
   void drop_unsharded_grads();
@@ -141,6 +144,7 @@ class ParamGroup {
   std::shared_ptr<comm::ProcessGroup> pg_;
   std::shared_ptr<comm::ProcessGroup> replicate_;  // HSDP, else nullptr
   Tensor partial_;  // HSDP: reduced rows not all-reduced yet (set_requires_all_reduce(false)), or undefined
+  std::vector<std::int64_t> partial_offsets_;  // HSDP: partial_'s layout (ReduceLayout::offsets)
   std::vector<char> partial_used_;  // HSDP: with partial_, which parameters some rank of the shard group used
   std::optional<absl::Duration> timeout_;
   MixedPrecisionPolicy mp_;
@@ -153,6 +157,7 @@ class ParamGroup {
   std::int64_t own_numel_ = 0;
   Tensor full_;   // every unsharded parameter, back to back (released at rest); each one's `unsharded` views it
   bool unsharded_ = false;
+  bool stale_ = false;  // Note [kept after backward, stale after a step]
   // Note [reshard to a k-group]
   int k_ = 0;                                  // 0: not enabled
   std::shared_ptr<comm::ProcessGroup> kgroup_;
@@ -160,9 +165,17 @@ class ParamGroup {
   Tensor kshard_;                              // released unless k-resharded
   bool k_resharded_ = false;
   bool k_exact_ = true;  // the k-shards hold exact values (see unsharded_exact)
+  // Where each parameter's rows go in a reduce (Note [frozen parameters are not reduced] in param_group.cc).
+  struct ReduceLayout {
+    std::vector<std::int64_t> offsets;  // per parameter, into the reduced rows; -1: frozen, not reduced
+    std::int64_t shared = 0;            // rank stride of the shared reduce_scatter's input
+    std::int64_t total = 0;             // the reduced rows of every reduced parameter, padding included
+  };
+  ReduceLayout reduce_layout(bool own) const;
   struct PendingReduce {
     std::vector<std::shared_ptr<comm::Work>> works;
-    Tensor out;  // [S], the reduced rows of every parameter
+    ReduceLayout layout;
+    Tensor out;  // [layout.total], the reduced rows of every reduced parameter
     Tensor used;  // one flag per parameter: some rank of the group had its gradient (Note [parameters no rank used])
     std::optional<double> divide_factor;
     bool all_reduce_replicas = true;

@@ -359,7 +359,7 @@ void FSDPState::reduce_unit() {
   reduced_ = true;
   state_ = TrainingState::post_backward;
   // Sync off (accumulation): the full gradients stay on the unsharded parameters until a synchronised backward.
-  // Note [reduce-scatter in flight]; Note [frozen units reduce nothing] in param_group.cc.
+  // Note [reduce-scatter in flight]; Note [frozen parameters are not reduced] in param_group.cc.
   if (params_ != nullptr && requires_gradient_sync_ && params_->needs_reduce()) {
     finish_reduces(0);
     if (absl::Status s = params_->start_reduce_grads(divide_factor_, requires_all_reduce_); !s.ok()) throw FsdpError(std::move(s));

@@ -19,6 +19,7 @@
 #include "common/nn/layers.h"
 #include "common/optim/adam.h"
 #include "common/optim/sgd.h"
+#include "fsdp/fsdp_param.h"
 #include "fsdp/fully_shard.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -101,17 +102,25 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FsdpUnusedParameterCombo, ::testing::Combine(::t
 constexpr int kFreezeSteps = 8;
 constexpr int kUnfreezeAt = 3;
 
-void SetBlock0Trainable(nn::GPT& model, bool on) { (*model.blocks)[0]->set_requires_grad(on); }
+// What is frozen: block 0 (a unit of its own: all of it), or its attention (part of the unit).
+enum class Frozen { block0, block0_attn };
+const char* FrozenName(Frozen f) { return f == Frozen::block0 ? "blocks.0" : "blocks.0.attn"; }
 
-std::vector<std::vector<float>> UnfreezeReference() {
+void SetTrainable(nn::GPT& model, Frozen part, bool on) {
+  for (const auto& [name, m] : model.named_modules()) {
+    if (name == FrozenName(part)) m->set_requires_grad(on);
+  }
+}
+
+std::vector<std::vector<float>> UnfreezeReference(Frozen part) {
   RankContext ctx;
   RankContextScope scope(ctx);
   nn::GPT model(TinyConfig(), 1);
-  SetBlock0Trainable(model, false);
+  SetTrainable(model, part, false);
   auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
   EXPECT_TRUE(opt.ok());
   for (int step = 0; step < kFreezeSteps; ++step) {
-    if (step == kUnfreezeAt) SetBlock0Trainable(model, true);
+    if (step == kUnfreezeAt) SetTrainable(model, part, true);
     auto [x, y] = Batch(step, 0, kBatch);
     (*opt)->zero_grad();
     autograd::backward(model.loss(x, y));
@@ -120,22 +129,22 @@ std::vector<std::vector<float>> UnfreezeReference() {
   return gpt_tiny::Values(model);
 }
 
-// Block 0 frozen from the first step, unfrozen before step 3 on every rank, as the reference. Frozen before
-// fully_shard (fine-tuning a model that starts with a frozen backbone) or after it, the block is sharded
+// Block 0 (or its attention) frozen from the first step, unfrozen before step 3 on every rank, as the reference.
+// Frozen before fully_shard (fine-tuning a model that starts with a frozen backbone) or after it, it is sharded
 // (fully_shard.h): its shards get no gradient while frozen and averaged gradients once it trains; each rank stepping
 // its own gradient would leave the ranks' replicas apart.
-void ExpectUnfreezingTrainsAsOnOneRank(int world, bool freeze_before_shard) {
-  static const auto want = UnfreezeReference();
+void ExpectUnfreezingTrainsAsOnOneRank(int world, bool freeze_before_shard, Frozen part) {
+  const auto want = UnfreezeReference(part);
   std::vector<std::vector<std::vector<float>>> got(static_cast<std::size_t>(world));
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), 1);
-    if (freeze_before_shard) SetBlock0Trainable(model, false);
+    if (freeze_before_shard) SetTrainable(model, part, false);
     if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
-    if (!freeze_before_shard) SetBlock0Trainable(model, false);
+    if (!freeze_before_shard) SetTrainable(model, part, false);
     auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
     if (!opt.ok()) return opt.status();
     for (int step = 0; step < kFreezeSteps; ++step) {
-      if (step == kUnfreezeAt) SetBlock0Trainable(model, true);
+      if (step == kUnfreezeAt) SetTrainable(model, part, true);
       if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, world, step, step + 1); !s.ok()) return s;
     }
     return test_util::StoreFullValues(model, got, env.rank);
@@ -144,24 +153,24 @@ void ExpectUnfreezingTrainsAsOnOneRank(int world, bool freeze_before_shard) {
   gpt_tiny::ExpectMatches(got, want, 2e-5);
 }
 
-TEST(FsdpUnfreezeCombo, ABlockFrozenAfterFullyShardAndUnfrozenLaterTrainsAsOnOneRank) {
-  for (const int world : {2, 3}) {
-    SCOPED_TRACE(::testing::Message() << "n=" << world);
-    ExpectUnfreezingTrainsAsOnOneRank(world, /*freeze_before_shard=*/false);
+TEST(FsdpUnfreezeCombo, FrozenBeforeOrAfterFullyShardAndUnfrozenLaterTrainsAsOnOneRank) {
+  for (const Frozen part : {Frozen::block0, Frozen::block0_attn}) {
+    for (const bool before : {false, true}) {
+      for (const int world : {2, 3}) {
+        SCOPED_TRACE(::testing::Message() << FrozenName(part) << (before ? " frozen before" : " frozen after")
+                                          << " fully_shard, n=" << world);
+        ExpectUnfreezingTrainsAsOnOneRank(world, before, part);
+      }
+    }
   }
 }
 
-TEST(FsdpUnfreezeCombo, ABlockFrozenBeforeFullyShardAndUnfrozenLaterTrainsAsOnOneRank) {
-  for (const int world : {2, 3}) {
-    SCOPED_TRACE(::testing::Message() << "n=" << world);
-    ExpectUnfreezingTrainsAsOnOneRank(world, /*freeze_before_shard=*/true);
-  }
-}
-
-// A block frozen at fully_shard costs each rank its rows only, as a trainable one (FSDP2), and while all of its
-// unit's parameters are frozen the unit reduces nothing: one reduce_scatter and one used-parameter all_reduce fewer
-// per step than once it trains (Note [frozen units reduce nothing] in fsdp/param_group.cc).
-TEST(FsdpUnfreezeCombo, AFrozenBlockIsShardedAndItsUnitReducesNothingWhileFrozen) {
+// A block frozen at fully_shard costs each rank its rows only, as a trainable one (FSDP2). A reduce moves the
+// gradients of trainable parameters only: while all of block 0 is frozen its unit reduces nothing (one
+// reduce_scatter and one used-parameter all_reduce fewer per step than once it trains); while its attention is
+// frozen, the unit's reduce_scatter carries the rest of the block only (Note [frozen parameters are not reduced] in
+// fsdp/param_group.cc).
+TEST(FsdpUnfreezeCombo, FrozenParametersAreShardedAndNotReduced) {
   constexpr int kWorld = 2;
   std::int64_t trainable_numel = 0;
   {
@@ -175,29 +184,57 @@ TEST(FsdpUnfreezeCombo, AFrozenBlockIsShardedAndItsUnitReducesNothingWhileFrozen
     });
     ASSERT_TRUE(st.ok()) << st;
   }
-  absl::Status st = comm::RunRanks(kWorld, [&](comm::RankEnv& env) -> absl::Status {
+  // The attention's reduced rows per rank, padding included (Note [per-parameter dim-0 shards]).
+  std::int64_t attn_rows_numel = 0;
+  {
+    RankContext ctx;
+    RankContextScope scope(ctx);
     nn::GPT model(TinyConfig(), 1);
-    SetBlock0Trainable(model, false);
-    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
-    std::int64_t numel = 0;
-    for (const Tensor& t : model.parameters()) numel += t.numel();
-    EXPECT_EQ(numel, trainable_numel) << "the frozen block holds this rank's rows only";
-    auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
-    if (!opt.ok()) return opt.status();
-    comm::CommCounters before = env.group.counters();
-    if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, kWorld, 0, 1); !s.ok()) return s;
-    const comm::CommCounters frozen = env.group.counters().since(before);
-    SetBlock0Trainable(model, true);
-    before = env.group.counters();
-    if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, kWorld, 1, 2); !s.ok()) return s;
-    const comm::CommCounters trains = env.group.counters().since(before);
-    for (const comm::CollectiveKind kind : {comm::CollectiveKind::reduce_scatter, comm::CollectiveKind::all_reduce}) {
-      EXPECT_EQ(frozen.of(kind).calls + 1, trains.of(kind).calls) << comm::collective_kind_name(kind) << ", rank " << env.rank;
+    for (const auto& [name, t] : model.named_parameters()) {
+      if (name.rfind("blocks.0.attn.", 0) != 0) continue;
+      const RowSplit rs = split_rows(t.shape(), 0, kWorld);
+      attn_rows_numel += rs.rows_per_rank * rs.row_numel;
     }
-    EXPECT_EQ(frozen.of(comm::CollectiveKind::all_gather).calls, trains.of(comm::CollectiveKind::all_gather).calls);
-    return absl::OkStatus();
-  });
-  EXPECT_TRUE(st.ok()) << st;
+    ASSERT_GT(attn_rows_numel, 0);
+  }
+  for (const Frozen part : {Frozen::block0, Frozen::block0_attn}) {
+    SCOPED_TRACE(FrozenName(part));
+    absl::Status st = comm::RunRanks(kWorld, [&](comm::RankEnv& env) -> absl::Status {
+      nn::GPT model(TinyConfig(), 1);
+      SetTrainable(model, part, false);
+      if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+      std::int64_t numel = 0;
+      for (const Tensor& t : model.parameters()) numel += t.numel();
+      EXPECT_EQ(numel, trainable_numel) << "the frozen parameters hold this rank's rows only";
+      auto opt = optim::AdamW::factory()({{model.parameters(), optim::AdamW::default_hyper()}});
+      if (!opt.ok()) return opt.status();
+      comm::CommCounters before = env.group.counters();
+      if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, kWorld, 0, 1); !s.ok()) return s;
+      const comm::CommCounters frozen = env.group.counters().since(before);
+      SetTrainable(model, part, true);
+      before = env.group.counters();
+      if (absl::Status s = test_util::TrainRows(model, **opt, env.rank, kWorld, 1, 2); !s.ok()) return s;
+      const comm::CommCounters trains = env.group.counters().since(before);
+      const comm::KindCounters& rs_frozen = frozen.of(comm::CollectiveKind::reduce_scatter);
+      const comm::KindCounters& rs_trains = trains.of(comm::CollectiveKind::reduce_scatter);
+      const comm::KindCounters& ar_frozen = frozen.of(comm::CollectiveKind::all_reduce);
+      const comm::KindCounters& ar_trains = trains.of(comm::CollectiveKind::all_reduce);
+      if (part == Frozen::block0) {
+        EXPECT_EQ(rs_frozen.calls + 1, rs_trains.calls) << "rank " << env.rank;
+        EXPECT_EQ(ar_frozen.calls + 1, ar_trains.calls) << "rank " << env.rank;
+      } else {
+        EXPECT_EQ(rs_frozen.calls, rs_trains.calls) << "rank " << env.rank;
+        EXPECT_EQ(ar_frozen.calls, ar_trains.calls) << "rank " << env.rank;
+        // reduce_scatter volume: (n - 1) x output bytes (Note [ring-equivalent volume]).
+        EXPECT_EQ(rs_trains.bytes_sent - rs_frozen.bytes_sent,
+                  (kWorld - 1) * attn_rows_numel * static_cast<std::int64_t>(sizeof(float)))
+            << "rank " << env.rank;
+      }
+      EXPECT_EQ(frozen.of(comm::CollectiveKind::all_gather).calls, trains.of(comm::CollectiveKind::all_gather).calls);
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(st.ok()) << st;
+  }
 }
 
 // ---- accumulation recipe x divide factor x HSDP ------------------------------------------------------------------
@@ -304,6 +341,33 @@ TEST(FsdpAccumulationCombo, DivideFactorWithTheAccumulationRecipeEqualsSingleRan
                                       << (c.defer_all_reduce ? ", all-reduce deferred" : ", no sync"));
     gpt_tiny::ExpectMatches(TrainAccumulating(c), world / factor == 2 ? twice : once, 2e-5);
   }
+}
+
+// HSDP rows kept for one deferred all-reduce carry the layout of the parameters that required grad; freezing a
+// parameter between the backwards of one accumulation is refused on every rank (FailedPrecondition naming it), not
+// summed over mismatched rows (Note [frozen parameters are not reduced] in fsdp/param_group.cc).
+TEST(FsdpAccumulationCombo, FreezingBetweenBackwardsOfADeferredAllReduceIsRefused) {
+  absl::Status st = comm::RunRanks(4, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    auto mesh = comm::DeviceMesh::create(env.group_ptr, {2, 2}, {"replicate", "shard"});
+    if (!mesh.ok()) return mesh.status();
+    for (nn::Module* b : modules_of_type(model, "TransformerBlock")) {
+      if (auto s = fully_shard(*b, *mesh); !s.ok()) return s.status();
+    }
+    if (auto s = fully_shard(model, *mesh); !s.ok()) return s.status();
+    FSDPModule root = *state_of(model);
+    const int rows = kBatch / 4;
+    root.set_requires_all_reduce(false);
+    auto [x0, y0] = Batch(0, env.rank * rows, rows);
+    if (absl::Status s = autograd::try_backward(model.loss(x0, y0)); !s.ok()) return s;
+    SetTrainable(model, Frozen::block0_attn, false);
+    root.set_requires_all_reduce(true);
+    auto [x1, y1] = Batch(1, env.rank * rows, rows);
+    return autograd::try_backward(model.loss(x1, y1));
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("was frozen or unfrozen between two backwards"));
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("TransformerBlock"));
 }
 
 }  // namespace
