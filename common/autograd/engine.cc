@@ -68,8 +68,10 @@ std::string FreedGraphMessage(const Node& n) {
 // gradients of the replay, the node that the replayed forward op created (trace::KernelArgs::backward_node) and
 // then releases it, as a backward that does not retain the graph would. A leaf's accumulation is reported as
 // "accumulate_grad" (set or add, as it happened), gradients the engine makes as "ones" / "zeros", and the sum of
-// two contributions as "add". Hooks are not replayed: a hook that runs during capture is reported as unsupported,
-// naming it (a compiled step expresses what hooks do, collectives, in its parallel mode).
+// two contributions as "add". A node that is traced by parts (Node::traced_by_parts: nn::checkpoint's) is not
+// recorded: it runs with the tracer visible, so what it runs is recorded op by op instead. Hooks are not replayed:
+// a hook that runs during capture is reported as unsupported, naming it (a compiled step expresses what hooks do,
+// collectives, in its parallel mode).
 
 void trace_fill(const trace::OpTraceScope& scope, const char* name, const Tensor& t, double value) {
   scope.record(name, {}, {t}, [value, shape = t.shape(), dtype = t.dtype()](trace::KernelArgs& a) {
@@ -92,6 +94,7 @@ Tensor traced_sum_gradients(Tensor a, Tensor b) {
 }
 
 TensorList run_traced_node(Node* n, TensorList&& in) {
+  if (n->traced_by_parts()) return n->apply(std::move(in));  // records what it runs itself (node.h)
   trace::OpTraceScope scope;
   if (!scope.tracing()) return n->apply(std::move(in));
   if (n->is_accumulate_grad()) {
@@ -110,7 +113,10 @@ TensorList run_traced_node(Node* n, TensorList&& in) {
                    if (accumulate) {
                      detail::add_into(a.writes[0], a.reads[0]);
                    } else if (detail::is_exclusive(a.reads[0]) && a.reads[0].dtype() == dtype) {
-                     a.writes[0] = std::move(a.reads[0]);  // Note [gradient buffer reuse]: no copy
+                     // Note [gradient buffer reuse]: no copy; the bytes are a gradient from here on, as in eager
+                     // (AccumulateGrad), so the replay's ledger charges them where eager's does.
+                     a.reads[0].storage()->recategorize(MemoryCategory::gradient);
+                     a.writes[0] = std::move(a.reads[0]);
                    } else {
                      // Shared with another path (an add's backward hands one gradient to both inputs): a copy, so
                      // whatever is done to this leaf's gradient later (a collective, in place) touches only it.

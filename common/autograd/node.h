@@ -69,6 +69,12 @@ class Node {
   virtual bool releasable() const { return true; }
   // True for the node that accumulates into a leaf's .grad (runs as soon as it is ready).
   virtual bool is_accumulate_grad() const { return false; }
+  // While a step is captured (Note [tracing backward] in engine.cc) the engine records each node it runs as one op
+  // and hides the tracer from what the node computes. A node that answers true is run with the tracer visible and
+  // is not recorded itself: the ops it runs (a recomputation, a nested backward) are recorded one by one, and replay
+  // runs those, never the node. nn::checkpoint's nodes (Note [capturing activation checkpointing] in
+  // common/nn/checkpoint.cc).
+  virtual bool traced_by_parts() const { return false; }
 
   std::uint64_t sequence_nr() const { return sequence_nr_; }
 

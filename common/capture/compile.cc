@@ -6,6 +6,7 @@
 #include "common/base/logging.h"
 #include "common/capture/graph_passes.h"
 #include "common/capture/recorder.h"
+#include "common/tensor/rank_context.h"
 #include "common/tensor/trace_hook.h"
 
 namespace shardkit::capture {
@@ -60,6 +61,12 @@ absl::Status CompiledStep::capture(const std::vector<Tensor>& batch, std::string
   };
   Recorder recorder(std::move(ro));
   {
+    // The dry run leaves the rank's Generator as it found it too (compile.h): the replay of this same call
+    // then draws what an eager step would (dropout), not the draws after the capture's.
+    struct GeneratorKept {
+      Generator saved = current_rank_context().generator;
+      ~GeneratorKept() { current_rank_context().generator = saved; }
+    } generator_kept;
     trace::TracerScope scope(&recorder);
     Tensor loss;
     try {

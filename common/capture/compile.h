@@ -12,7 +12,8 @@
 //
 // The step function is written once, for a single rank. On the first call (and whenever a recapture is due) the
 // step runs eagerly under a dry-run Recorder (recorder.h): forward and backward run, the optimizer's updates are
-// recorded but not applied, so the capture changes no state. The graph is then expanded by the parallel mode (its
+// recorded but not applied, and the rank's Generator is put back as the capture found it, so the capture changes
+// no state (a dropout's replay draws what the eager step would). The graph is then expanded by the parallel mode (its
 // collectives), passed through dedup and coalesce (graph_passes.h), handed to the user's transform, and executed
 // (executor.h) for this same call. Later calls bind the batch's tensors to the graph's batch inputs (no copy) and
 // replay.
@@ -22,6 +23,14 @@
 // (dtype and shape of each tensor) and the set of trainable parameters (which of the module's parameters require
 // grad) with the captured ones; on any difference it captures again, logging the reason (also kept in
 // last_capture_reason()), and never replays a graph for inputs it was not captured for.
+//
+// Activation checkpointing: a step whose model has checkpointed modules (nn::checkpoint, nn::checkpoint_blocks) is
+// captured with each checkpointed call's recompute and nested backward inside the backward, so replay runs the same
+// kernels in the same order as the eager checkpointed step (bit for bit its results, dropout included) and keeps
+// what eager checkpointing keeps: the calls' inputs, and one call's activations at a time (Note [capturing
+// activation checkpointing] in common/nn/checkpoint.cc). The capture itself (the first call, and each recapture)
+// holds every value the step made until the graph is built, the recompute's included: more than an eager step
+// without checkpointing, for that one call.
 //
 // Lifetimes: the module, the optimizer and the mode's groups must outlive the compiled step (its kernels refer to
 // them). Between calls, temporaries of the step (activations, gradients) have no bytes (Note [memory plan]): read

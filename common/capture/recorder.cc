@@ -91,14 +91,10 @@ void Recorder::on_op(std::string_view name, std::vector<Tensor> reads, std::vect
   node.kernel = std::move(kernel);
   node.grad_enabled = autograd::is_grad_enabled();
   if (backward_node != nullptr) {
+    // nn::checkpoint's nodes never get here: they are traced by parts (Note [capturing activation checkpointing]
+    // in common/nn/checkpoint.cc).
     auto it = forward_op_of_.find(backward_node);
-    if (it == forward_op_of_.end() && name == "CheckpointBackward") {
-      // Note [what cannot be captured]: a checkpointed module's forward runs with grad off and is recomputed inside
-      // its backward node, neither of which the tracer records.
-      on_unsupported("activation checkpointing (nn::checkpoint's CheckpointBackward: its forward and recomputation "
-                     "are not recorded, so the step cannot be replayed yet); compile the step on a model without "
-                     "nn::checkpoint");
-    } else if (it == forward_op_of_.end()) {
+    if (it == forward_op_of_.end()) {
       on_unsupported(absl::StrCat("backward node ", std::string(name),
                                   " (the forward computation that created it was not recorded)"));
     } else {
@@ -114,6 +110,23 @@ void Recorder::on_op(std::string_view name, std::vector<Tensor> reads, std::vect
       }
     }
   }
+}
+
+void Recorder::on_rebind(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes,
+                         trace::Kernel kernel) {
+  Node node{.kind = NodeKind::op, .name = std::string(name)};
+  for (const Tensor& r : reads) node.reads.push_back(slot_for_read(r, name));
+  // New values, even though their key (storage, offset, dtype, shape) is that of what they alias: the key now
+  // resolves to them, so the ops after this one read the new handles (trace_hook.h, Tracer::on_rebind).
+  for (const Tensor& w : writes) {
+    const SlotId id = graph_.add_slot(absl::StrCat(std::string(name), ".", graph_.slots().size()), w.dtype(), w.shape());
+    graph_.mutable_slot(id).value = w;
+    slots_[key_of(w)] = id;
+    node.writes.push_back(id);
+  }
+  node.kernel = std::move(kernel);
+  node.grad_enabled = autograd::is_grad_enabled();
+  ops_.push_back(std::move(node));
 }
 
 void Recorder::on_placeholder(const std::string& name, const std::vector<Tensor>& reads,

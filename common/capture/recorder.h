@@ -20,11 +20,15 @@
 // tensor) when an op reads a tensor that no recorded op wrote and that is not a declared input (it was computed
 // by an untraced kernel, a Tensor method like fill_ or to(), or outside the step), when the step writes a tensor it
 // already read or wrote with Tensor::fill_ / copy_ outside any recorded op (replay would not repeat the write), and
-// when something reports itself unsupported (a hook, batch_norm's in-place statistics, activation checkpointing:
-// nn::checkpoint's forward runs with grad off and recomputes inside its backward node, neither recorded; found by a
-// helper's audit, tests/sddp/sddp_combo5_test.cc, whose equality tests wait for it). Writes through raw data
-// pointers are not seen: a step must not write its tensors that way. The message names the Override that would fix
-// it: keep that part out of tracing and splice its graph in at a placeholder (graph_passes.h).
+// when something reports itself unsupported (a hook, batch_norm's in-place statistics, the backward of a checkpointed
+// call whose forward ran before the capture). Writes through raw data pointers are not seen: a step must not write
+// its tensors that way. The message names the Override that would fix it: keep that part out of tracing and splice
+// its graph in at a placeholder (graph_passes.h).
+//
+// Activation checkpointing (nn::checkpoint) is captured: its forward's ops as any op, its recompute and nested
+// backward inside the recorded backward, and the handles it gives an autograd identity of their own as ops of
+// on_rebind (a new slot each, which later reads of those bytes resolve to). Note [capturing activation
+// checkpointing] in common/nn/checkpoint.cc.
 //
 // Thread-safety: one recorder per rank thread.
 #pragma once
@@ -67,6 +71,8 @@ class Recorder final : public trace::Tracer {
   void on_op(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes, trace::Kernel kernel,
              const void* backward_node) override;
   void on_unsupported(std::string_view what) override;
+  void on_rebind(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes,
+                 trace::Kernel kernel) override;
   bool dry_run() const override { return dry_run_; }
   void on_untraced_write(const Tensor& t, std::string_view how) override;
   void on_placeholder(const std::string& name, const std::vector<Tensor>& reads,

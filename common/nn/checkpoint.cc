@@ -12,6 +12,7 @@
 #include "common/autograd/grad_mode.h"
 #include "common/nn/gpt.h"
 #include "common/tensor/rank_context.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit::nn {
 namespace {
@@ -26,6 +27,8 @@ struct CheckpointMark : Module::Attachment {};
 class InputGrads final : public autograd::Node {
  public:
   std::string name() const override { return "CheckpointInputs"; }
+  // Nothing to record: it hands on gradients that recorded ops wrote (Note [capturing activation checkpointing]).
+  bool traced_by_parts() const override { return true; }
   autograd::TensorList apply(autograd::TensorList&& grads) override {
     grads_ = std::move(grads);
     return {};
@@ -68,6 +71,70 @@ class BufferRestore {
   std::vector<std::pair<Tensor, Tensor>> saved_;
 };
 
+// Note [capturing activation checkpointing]
+// capture::compile records a step as the ops it ran and replays exactly those (common/capture/recorder.h). A
+// checkpointed call is recorded as what it runs, so that replay runs the same kernels in the same order as eager:
+//   forward   the call's ops, run with grad off, are recorded as any op (with grad mode off: replay makes no
+//             backward nodes for them and frees their values after their last use in the forward). Then one op,
+//             "checkpoint_outputs", gives the outputs an autograd identity of their own (trace::Tracer::on_rebind):
+//             in eager they hang from CheckpointBackward; in replay from a ReplayedCheckpoint node that never runs,
+//             so that the ops that read them record nodes that compute their gradients, as in eager.
+//   backward  CheckpointBackward and InputGrads are traced by parts (autograd::Node::traced_by_parts): the engine
+//             neither records them nor hides the tracer from them. So what CheckpointBackward::apply runs is
+//             recorded: "checkpoint_inputs" (on_rebind: the recompute's inputs over the kept bytes, with a history
+//             of their own so that the recomputed ops compute the inputs' gradients), the recompute's ops with
+//             grad mode on (replay makes their backward nodes), and every node, accumulate_grad, "add" and
+//             "zeros" of the nested backward, found through the recomputed ops like those of the outer backward.
+//             The gradients InputGrads collects are values recorded ops wrote; the outer backward goes on with them.
+//   generator with preserve_rng_state, "checkpoint_rng_save" (at the call), "checkpoint_rng_swap" and
+//             "checkpoint_rng_restore" (around the recompute) copy the rank's Generator as eager does, through a
+//             ReplayRng the three kernels share: a dropout in the recompute draws in replay what it drew in forward.
+//   buffers   while captured, the recompute does not copy and put back the module's buffers (a copy_ outside any
+//             op cannot be replayed, and the capture refuses it): the only traced in-place write of a buffer,
+//             batch_norm's running statistics, already fails the capture.
+// Memory: what the replay keeps is what eager keeps. The values of the forward inside the call are freed after their
+// last use there (Note [memory plan] in common/capture/executor.h); the call's inputs live until
+// "checkpoint_inputs" reads them in backward (eager keeps them in the node); the recompute's saved activations are
+// held by the backward nodes the replay made, each freed when its node has run. So the replay holds one checkpointed
+// call's activations at a time, as eager does (tests/common/capture/compile_checkpoint_test.cc measures it on a
+// GPT). Not so the capture: the recorder keeps every value of the step until it builds the graph (its slots hold
+// them), the forward's and the recompute's, so the call that captures holds more than an eager step without
+// checkpointing would.
+// A checkpointed call whose forward ran outside the capture but whose backward runs inside it cannot be replayed:
+// the capture fails naming it.
+
+// The Generator states one recorded checkpointed call passes from its forward to its recompute in replay: the
+// replay's forward_rng_ and GeneratorRestore, shared by the call's three rng kernels.
+struct ReplayRng {
+  Generator forward;
+  Generator after;
+};
+
+// What a replayed call's outputs and recompute inputs hang from (Note [capturing activation checkpointing]): an
+// autograd identity, so that ops reading them with grad mode on compute their gradients, and nothing to run.
+class ReplayedCheckpoint final : public autograd::Node {
+ public:
+  std::string name() const override { return "ReplayedCheckpoint"; }
+  autograd::TensorList apply(autograd::TensorList&&) override {
+    throw autograd::AutogradError(
+        "checkpoint: a backward reached the node of a replayed checkpointed call; a compiled step's backward is the "
+        "recorded one (run the step through capture::CompiledStep, not autograd::backward on its values)");
+  }
+};
+
+// The kernel of "checkpoint_outputs" / "checkpoint_inputs": new handles over the bytes read, one ReplayedCheckpoint
+// their grad_fn.
+trace::Kernel RebindKernel() {
+  return [](trace::KernelArgs& a) {
+    auto node = std::make_shared<ReplayedCheckpoint>();
+    for (std::size_t i = 0; i < a.reads.size(); ++i) {
+      Tensor t = a.reads[i].detach();
+      autograd::set_history(t, node);
+      a.writes[i] = std::move(t);
+    }
+  };
+}
+
 // Note [checkpoint node]
 // The node's inputs are the call's inputs (its next edges go where their gradients go), its outputs the call's
 // outputs. It keeps bytes-only handles of the inputs (never of its outputs: Note in node.h), the Generator as the
@@ -77,8 +144,11 @@ class BufferRestore {
 // outer graph (the inputs' own histories) and without a leaf's .grad (which would be charged as a gradient).
 class CheckpointBackward final : public autograd::Node {
  public:
+  // `recorded`: the forward was recorded by a capture; `replay_rng` its Generator states in replay (when it
+  // restores them), Note [capturing activation checkpointing].
   CheckpointBackward(const Module& module, Module::HookedCall hooked, autograd::TensorList inputs,
-                     std::vector<bool> needs_grad, Generator forward_rng, bool restore_rng, MemoryCategory category)
+                     std::vector<bool> needs_grad, Generator forward_rng, bool restore_rng, MemoryCategory category,
+                     bool recorded, std::shared_ptr<ReplayRng> replay_rng)
       : module_(&module),
         module_type_(module.type_name()),
         hooked_(std::move(hooked)),
@@ -86,22 +156,37 @@ class CheckpointBackward final : public autograd::Node {
         needs_grad_(std::move(needs_grad)),
         forward_rng_(forward_rng),
         restore_rng_(restore_rng),
-        category_(category) {}
+        category_(category),
+        recorded_(recorded),
+        replay_rng_(std::move(replay_rng)) {}
 
   std::string name() const override { return "CheckpointBackward"; }
+  bool traced_by_parts() const override { return true; }
 
   autograd::TensorList apply(autograd::TensorList&& grads) override {
+    if (trace::Tracer* tracer = trace::active_tracer(); tracer != nullptr && !recorded_) {
+      tracer->on_unsupported(absl::StrCat("the backward of a checkpointed ", module_type_,
+                                          " whose forward ran before the capture (activation checkpointing: its "
+                                          "forward and recompute must both be in the captured step)"));
+    }
     auto input_grads = std::make_shared<InputGrads>();
     std::vector<int> slot(inputs_.size(), -1);
     autograd::TensorList inputs;
     inputs.reserve(inputs_.size());
+    std::vector<Tensor> kept_read, fresh_written;  // for the capture: "checkpoint_inputs"
     for (std::size_t i = 0; i < inputs_.size(); ++i) {
       Tensor in = inputs_[i].defined() ? inputs_[i].detach() : Tensor();
       if (needs_grad_[i]) {
         autograd::set_history(in, input_grads);
         slot[i] = input_grads->num_outputs() - 1;
+        kept_read.push_back(inputs_[i]);
+        fresh_written.push_back(in);
       }
       inputs.push_back(std::move(in));
+    }
+    if (!kept_read.empty()) {
+      trace::OpTraceScope scope;
+      scope.record_rebind("checkpoint_inputs", std::move(kept_read), std::move(fresh_written), RebindKernel());
     }
 
     autograd::TensorList outputs = recompute(inputs);
@@ -136,15 +221,31 @@ class CheckpointBackward final : public autograd::Node {
 
  private:
   autograd::TensorList recompute(const autograd::TensorList& inputs) {
+    const bool tracing = trace::active_tracer() != nullptr;
     std::optional<GeneratorRestore> rng_after;  // backward's Generator, whatever the recompute drew
     if (restore_rng_) {
       rng_after.emplace();
       current_rank_context().generator = forward_rng_;
+      if (replay_rng_) {
+        trace::OpTraceScope scope;
+        scope.record("checkpoint_rng_swap", {}, {}, [r = replay_rng_](trace::KernelArgs&) {
+          r->after = current_rank_context().generator;
+          current_rank_context().generator = r->forward;
+        });
+      }
     }
-    BufferRestore buffers(*module_);  // running statistics as the forward left them
+    // Running statistics as the forward left them; not while captured (Note [capturing activation checkpointing]).
+    std::optional<BufferRestore> buffers;
+    if (!tracing) buffers.emplace(*module_);
     MemoryCategoryScope category(category_);
     autograd::GradModeGuard grad(true);
-    return hooked_(inputs);
+    autograd::TensorList outputs = hooked_(inputs);
+    if (restore_rng_ && replay_rng_) {
+      trace::OpTraceScope scope;
+      scope.record("checkpoint_rng_restore", {}, {},
+                   [r = replay_rng_](trace::KernelArgs&) { current_rank_context().generator = r->after; });
+    }
+    return outputs;
   }
 
   void check_outputs(const autograd::TensorList& outputs) const {
@@ -174,6 +275,8 @@ class CheckpointBackward final : public autograd::Node {
   Generator forward_rng_;
   bool restore_rng_;
   MemoryCategory category_;
+  bool recorded_;
+  std::shared_ptr<ReplayRng> replay_rng_;
 };
 
 bool AnyTrainableParameter(const Module& module) {
@@ -193,6 +296,15 @@ autograd::TensorList CheckpointedCall(Module& module, const CheckpointOptions& o
   }
   const Generator forward_rng = current_rank_context().generator;
   const MemoryCategory category = current_memory_category();
+  // Note [capturing activation checkpointing]: the Generator as the replay's forward finds it.
+  const bool recorded = trace::active_tracer() != nullptr;
+  std::shared_ptr<ReplayRng> replay_rng;
+  if (recorded && options.preserve_rng_state) {
+    replay_rng = std::make_shared<ReplayRng>();
+    trace::OpTraceScope scope;
+    scope.record("checkpoint_rng_save", {}, {},
+                 [r = replay_rng](trace::KernelArgs&) { r->forward = current_rank_context().generator; });
+  }
   TensorList outputs;
   {
     autograd::NoGradGuard no_grad;
@@ -205,20 +317,28 @@ autograd::TensorList CheckpointedCall(Module& module, const CheckpointOptions& o
     needs_grad.push_back(in.defined() && in.requires_grad() && is_floating(in.dtype()));
   }
   auto node = std::make_shared<CheckpointBackward>(module, hooked, std::move(kept), std::move(needs_grad),
-                                                   forward_rng, options.preserve_rng_state, category);
+                                                   forward_rng, options.preserve_rng_state, category, recorded,
+                                                   std::move(replay_rng));
   node->set_next_edges(autograd::collect_next_edges(inputs));
+  std::vector<Tensor> computed, given;  // for the capture: "checkpoint_outputs"
   for (Tensor& o : outputs) {
     if (!o.defined() || !is_floating(o.dtype())) {
       // Outputs that cannot carry a gradient still take a slot, so the node's output i is outputs[i].
       node->add_output(o.defined() ? o.shape() : Shape{}, DType::f32);
       continue;
     }
+    computed.push_back(o);
     // An output that is an input, or has a history of its own (a module returning its input), becomes a new
     // handle over the same bytes, so that tensor's history is untouched.
     bool alias = o.autograd_meta() != nullptr || o.requires_grad();
     for (const Tensor& in : inputs) alias = alias || o.is_same(in);
     if (alias) o = o.detach();
     autograd::set_history(o, node);
+    given.push_back(o);
+  }
+  if (!computed.empty()) {
+    trace::OpTraceScope scope;
+    scope.record_rebind("checkpoint_outputs", std::move(computed), std::move(given), RebindKernel());
   }
   return outputs;
 }

@@ -33,12 +33,17 @@
 // from), so the recompute reads full parameters. A checkpointed unit runs its FSDP hooks inside the checkpoint
 // (Module::set_call_wrapper: whatever the order fully_shard and checkpoint were applied in): in forward without
 // grad (gather, forward, release; no backward hooks), and again in the recompute (gather, forward, release; the
-// hooks it registers there gather, reduce-scatter and release during the nested backward). That costs more
-// all-gathers than the unit without checkpointing: fsdp/ does not tell a recompute from a forward yet, so the unit
-// is gathered for the recompute, released, gathered again by its pre-backward hook, and the recompute's forward
-// prefetches the next unit for nothing (FSDP2 skips all three for a recompute;
-// CheckpointFsdp.ACheckpointedUnitIsGatheredOncePerPassAsWithout in tests/integration/activation_checkpoint_test.cc
-// is skipped until fsdp/ does). Checkpointing the modules inside a unit costs no all-gather.
+// hooks it registers there reduce-scatter and release during the nested backward). fsdp/ tells a recompute from a
+// forward (Note [forward inside backward] in fsdp/state.cc): the recompute keeps the unit gathered for its
+// pre-backward hook and prefetches nothing, so a checkpointed unit is gathered once per pass, as without
+// checkpointing (CheckpointFsdp.ACheckpointedUnitIsGatheredOncePerPassAsWithout in
+// tests/integration/activation_checkpoint_test.cc). Checkpointing the modules inside a unit costs no all-gather.
+//
+// Captured steps (capture::compile): a checkpointed call is recorded as the ops it runs, its forward with grad mode
+// off, and its recompute and nested backward where the outer backward reaches its node, so the replay equals the
+// eager checkpointed step bit for bit and holds what it holds (Note [capturing activation checkpointing] in
+// checkpoint.cc). While captured the recompute does not copy and put back the module's buffers (the capture already
+// refuses batch_norm's in-place statistics, the only traced write of a buffer).
 //
 // Limits (as PyTorch's reentrant checkpoint):
 //   * a parameter of a checkpointed module must not also be used outside it, nor by two checkpointed calls,

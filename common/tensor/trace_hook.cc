@@ -30,4 +30,10 @@ void OpTraceScope::record(std::string_view name, std::vector<Tensor> reads, std:
   tracer_->on_op(name, std::move(reads), std::move(writes), std::move(kernel), backward_node);
 }
 
+void OpTraceScope::record_rebind(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes,
+                                 Kernel kernel) const {
+  if (tracer_ == nullptr) return;
+  tracer_->on_rebind(name, std::move(reads), std::move(writes), std::move(kernel));
+}
+
 }  // namespace shardkit::trace

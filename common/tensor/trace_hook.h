@@ -46,6 +46,15 @@ class Tracer {
   // forward op whose outputs have that node as grad_fn.
   virtual void on_op(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes, Kernel kernel,
                      const void* backward_node) = 0;
+  // Like on_op, for an op whose writes are new handles over the bytes of its reads (writes[i] over reads[i]'s bytes,
+  // same dtype and shape) with an autograd identity of their own: nn::checkpoint gives its forward's outputs their
+  // backward node and its recomputation's inputs a history that ends where their gradients are collected (Note
+  // [capturing activation checkpointing] in common/nn/checkpoint.cc). Each write is a new value, and later reads of
+  // those bytes resolve to it rather than to the value it was made from. A tracer that cannot tell them apart
+  // refuses the step.
+  virtual void on_rebind(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes, Kernel kernel) {
+    on_unsupported(std::string(name) + " (this tracer cannot give bytes a new identity)");
+  }
   // Something ran that cannot be replayed (a hook, an untraced computation): capture must fail naming it.
   virtual void on_unsupported(std::string_view what) = 0;
   // A part of the step that is deliberately not traced (an Override's stand-in): it read `reads` and produced
@@ -92,6 +101,9 @@ class OpTraceScope {
   // Reports the op when tracing; undefined tensors in the lists are dropped.
   void record(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes, Kernel kernel,
               const void* backward_node = nullptr) const;
+  // Reports an op of Tracer::on_rebind when tracing.
+  void record_rebind(std::string_view name, std::vector<Tensor> reads, std::vector<Tensor> writes,
+                     Kernel kernel) const;
 
  private:
   Tracer* tracer_;

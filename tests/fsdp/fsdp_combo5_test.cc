@@ -43,8 +43,6 @@ class FullyShardModeCheckpoint : public ::testing::TestWithParam<std::tuple<int,
 // equal single-rank training on the whole batch (no checkpointing) within float rounding, every loss and parameter
 // equal eager FSDP's (no checkpointing) bit for bit, and the graph gathers and reduce-scatters.
 TEST_P(FullyShardModeCheckpoint, CompiledCheckpointedStepsTrainAsOnOneRank) {
-  GTEST_SKIP() << "not supported yet: capture::compile refuses a step with a checkpointed module (Note [what cannot "
-                  "be captured]; tested in sddp_combo5_test); this equality waits for it";
   const auto [world, what, bucketed] = GetParam();
   const auto want = gpt_tiny::Reference(kSteps);
   const FullyShardModeOptions options =

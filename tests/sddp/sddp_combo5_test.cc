@@ -41,8 +41,6 @@ class ReplicateModeCheckpoint : public ::testing::TestWithParam<std::tuple<int, 
 // single-rank training on the whole batch (no checkpointing) within float rounding, every loss and parameter equal
 // eager DDP's (no checkpointing) bit for bit, and the graph all-reduces the gradients.
 TEST_P(ReplicateModeCheckpoint, CompiledCheckpointedStepsTrainAsOnOneRank) {
-  GTEST_SKIP() << "not supported yet: capture::compile refuses a step with a checkpointed module (Note [what cannot "
-                  "be captured]; CompilingACheckpointedStepIsRefusedNamingIt below); this equality waits for it";
   const auto [world, what, bucket] = GetParam();
   const auto want = test_util::Reference(kSteps);
   std::vector<std::vector<std::vector<float>>> eager_values(world), compiled_values(world);
@@ -92,31 +90,6 @@ TEST_P(ReplicateModeCheckpoint, CompiledCheckpointedStepsTrainAsOnOneRank) {
       EXPECT_TRUE(compiled_values[i][p] == eager_values[i][p]) << "rank " << r << " parameter " << p;
     }
   }
-}
-
-// Until checkpointing is captured, compiling a checkpointed step fails with FailedPrecondition naming it (not the
-// generic "forward computation not recorded"), on every rank.
-TEST(ReplicateModeCheckpointRefusal, CompilingACheckpointedStepIsRefusedNamingIt) {
-  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
-    nn::GPT model(TinyConfig(), 1);
-    if (absl::Status s = Checkpoint(model, Ckpt::blocks); !s.ok()) return s;
-    optim::AdamW opt(model.parameters());
-    auto mode = std::make_shared<ReplicateMode>(env.group_ptr, ReplicateModeOptions{});
-    capture::CompiledStep compiled = capture::compile(
-        [&](const std::vector<Tensor>& batch) {
-          Tensor loss = model.loss(batch[0], batch[1]);
-          autograd::backward(loss);
-          EXPECT_TRUE(opt.step().ok());
-          opt.zero_grad();
-          return loss;
-        },
-        model, opt, {.parallel_mode = mode});
-    auto [x, y] = Batch(0, env.rank * (kBatch / 2), kBatch / 2);
-    absl::StatusOr<Tensor> loss = compiled({x, y});
-    return loss.ok() ? absl::OkStatus() : loss.status();
-  });
-  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-  EXPECT_NE(std::string(st.message()).find("activation checkpointing"), std::string::npos) << st;
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ReplicateModeCheckpoint,

@@ -311,6 +311,37 @@ TEST(ShardkitTrain, CompileTrainsBitForBitLikeTheEagerStrategy) {
   }
 }
 
+// --compile --checkpoint-activations: the checkpointed blocks are captured with their recompute (Note [capturing
+// activation checkpointing] in common/nn/checkpoint.cc), so the compiled run trains bit for bit like the eager one
+// without checkpointing, and the report shows a lower activation peak with checkpointing (that of the replayed
+// steps: the first step's capture holds every value of the step while it records) than without.
+TEST(ShardkitTrain, CompileWithCheckpointActivationsTrainsBitForBitAndLowersTheActivationPeak) {
+  for (const std::string strategy : {"ddp", "fsdp"}) {
+    SCOPED_TRACE(strategy);
+    const std::vector<std::string> common = {"--strategy", strategy, "--ranks", "2", "--steps", "4",
+                                             "--model", "tiny", "--sample", "0"};
+    const auto eager = Train(common);
+    std::vector<std::string> args = common;
+    args.push_back("--compile");
+    args.push_back("--checkpoint-activations");
+    const auto compiled = Train(args);
+    ASSERT_EQ(eager.exit_code, 0) << eager.err;
+    ASSERT_EQ(compiled.exit_code, 0) << compiled.err;
+    EXPECT_EQ(Field(compiled.out, "final loss:"), Field(eager.out, "final loss:"));
+    EXPECT_EQ(Field(compiled.out, "parameter digest:"), Field(eager.out, "parameter digest:"));
+    EXPECT_THAT(compiled.out, HasSubstr("compiled step (--compile):"));
+    std::smatch m;
+    const std::string line = Field(compiled.out, "rank 0's activation peak ");
+    ASSERT_TRUE(std::regex_search(line, m, std::regex("^([0-9,]+) bytes with, ([0-9,]+) bytes without"))) << compiled.out;
+    auto bytes = [](std::string v) {
+      v.erase(std::remove(v.begin(), v.end(), ','), v.end());
+      return std::stoll(v);
+    };
+    EXPECT_GT(bytes(m[1]), 0);
+    EXPECT_LT(bytes(m[1]), bytes(m[2]));
+  }
+}
+
 TEST(ShardkitTrainBadInput, CompileRefusesWhatItDoesNotCoverYet) {
   ExpectOneLineError(Train({"--compile", "--strategy", "oss"}), "--compile: expected --strategy ddp");
   ExpectOneLineError(Train({"--compile", "--strategy", "ddp", "--precision", "bf16"}),

@@ -275,9 +275,6 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
     if (o.precision != Precision::fp32) {
       return absl::InvalidArgumentError("--compile: expected --precision fp32 (bf16 master weights are not captured yet)");
     }
-    if (o.checkpoint_activations) {
-      return absl::InvalidArgumentError("--compile: expected no --checkpoint-activations (its recomputation is not captured yet)");
-    }
     if (o.strategy == Strategy::fsdp && (!o.checkpoint_dir.empty() || !o.export_path.empty())) {
       return absl::InvalidArgumentError(
           "--compile --strategy fsdp: expected no --checkpoint-dir or --export (the compiled step's shards are not "

@@ -217,11 +217,17 @@ std::string run_report(const Options& o, const RunResult& r) {
                     ", gradients land f32: the CPU ops compute in f32 only, so bf16 values are stored 4 bytes wide\n");
   }
   if (ckpt && !r.ranks.empty() && r.ranks[0].activation_peak_without_checkpointing >= 0) {
-    const std::int64_t with = peak_of(r.ranks[0], MemoryCategory::activation);
+    // --compile: the replayed steps' peak; the capture (the first step) holds every value of the step while it
+    // records, the recompute's too (Note [capturing activation checkpointing] in common/nn/checkpoint.cc).
+    const std::int64_t replayed = r.ranks[0].activation_peak_replayed;
+    const std::int64_t with = replayed >= 0 ? replayed : peak_of(r.ranks[0], MemoryCategory::activation);
     const std::int64_t without = r.ranks[0].activation_peak_without_checkpointing;
     absl::StrAppend(&out, "activation checkpointing (every transformer block recomputed in backward): rank 0's activation "
                           "peak ", with_commas(with), " bytes with, ", with_commas(without), " bytes without",
                     without > 0 ? absl::StrFormat(" (%.0f%%)", 100.0 * static_cast<double>(with) / static_cast<double>(without)) : "",
+                    replayed >= 0 ? absl::StrCat("; with: the replayed steps (the capture in the first step held ",
+                                                 with_commas(peak_of(r.ranks[0], MemoryCategory::activation)), ")")
+                                  : "",
                     "\n");
   }
   absl::StrAppend(&out, "\ncommunication per step (bytes sent per rank, ProcessGroup counters):");

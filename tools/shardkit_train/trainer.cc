@@ -311,9 +311,10 @@ class FsdpRunner : public Runner {
 // The step function is the single-rank loop body (forward, backward, AdamW step, zero_grad), written once; the parallel
 // mode makes it data-parallel: ddp -> sddp::ReplicateMode (DDP's bucketed all_reduce, bit for bit), fsdp ->
 // fsdp::FullyShardMode (per-parameter shards, bit for bit eager fully_shard's results). The first step captures
-// (a dry run: nothing is updated while recording) and replays; every later step replays. What it does not cover
-// yet is refused by parse_options: bf16 (master weights), --checkpoint-activations, and for fsdp checkpoints and
-// --export (the shards live in the graph). The loss is seen after the step, so a non-finite loss stops the run after
+// (a dry run: nothing is updated while recording) and replays; every later step replays. --checkpoint-activations
+// is captured too (the recompute is recorded inside the backward, Note [capturing activation checkpointing] in
+// common/nn/checkpoint.cc). What it does not cover yet is refused by parse_options: bf16 (master weights), and for
+// fsdp checkpoints and --export (the shards live in the graph). The loss is seen after the step, so a non-finite loss stops the run after
 // that step's update (eager strategies stop before it; a checkpoint is still never written with it).
 class CompiledRunner : public Runner {
   // fsdp: gather buckets of 4 MiB issued one bucket ahead, the last forward bucket kept for backward, and calls up to
@@ -541,11 +542,26 @@ absl::Status export_model(Strategy strategy, nn::GPT& model, comm::ProcessGroup&
 // off, one forward and backward of the last step's batch (with the strategy's reductions, which every rank runs
 // alike), no optimizer step, gradients zeroed, checkpointing back on. Parameters, losses and the digest are
 // those of the checkpointed run, which equal the run without it (the recompute is the same computation).
+// --compile: the compiled step's backward is inside the step, so that forward and backward run eagerly on the
+// module, its parameters whole first (fsdp: gathered from the shards, which stay the truth), without reductions
+// (they allocate no activations), and the gradients are dropped after. A replayed step keeps the activations the
+// eager one keeps (Note [capturing activation checkpointing] in common/nn/checkpoint.cc; compile_checkpoint_test
+// measures both), so the two columns compare the same thing.
 absl::StatusOr<std::int64_t> activation_peak_without_checkpointing(nn::GPT& model, Runner& runner, MemoryTracker& ledger,
                                                                    const Corpus& corpus, const Options& o, int rank,
                                                                    int world) {
   nn::remove_checkpoint_blocks(model);
   auto [x, y] = batch(corpus, o.seed, o.steps - 1, rank, world, o.batch, model.config().context);
+  if (o.compile) {
+    absl::Status st = runner.gather_model();
+    ledger.reset_peaks();
+    if (st.ok()) st = autograd::try_backward(model.loss(x, y));
+    const std::int64_t peak = ledger.peak(MemoryCategory::activation);
+    for (const Tensor& p : model.parameters()) p.set_grad(Tensor());
+    SKT_RETURN_IF_ERROR(nn::checkpoint_blocks(model));
+    if (!st.ok()) return st;
+    return peak;
+  }
   runner.zero_grad();
   ledger.reset_peaks();
   absl::Status st = runner.backward(model.loss(x, y));
@@ -591,6 +607,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   res.backend = pg->backend_name();
 
   std::array<std::int64_t, kNumMemoryCategories> peak{};
+  std::int64_t replayed_activation_peak = -1;  // --compile: the steps after the capture
   std::int64_t sent = 0, counted_steps = 0;
   bool checkpointed = false;
   std::int64_t last_checkpoint_step = resume != nullptr ? start : -1;
@@ -643,6 +660,10 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     ++counted_steps;
     if (!checkpointed) {
       for (int c = 0; c < kNumMemoryCategories; ++c) peak[static_cast<std::size_t>(c)] = std::max(peak[static_cast<std::size_t>(c)], snap.peak[static_cast<std::size_t>(c)]);
+      if (o.compile && counted_steps > 1) {
+        replayed_activation_peak = std::max(
+            replayed_activation_peak, snap.peak[static_cast<std::size_t>(MemoryCategory::activation)]);
+      }
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - display_seconds;
     if (step > start || o.steps - start == 1) step_seconds_sum += dt;
@@ -706,13 +727,14 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
   res.seconds_per_step = counted_steps == 0 ? 0 : step_seconds_sum / static_cast<double>(counted_steps == 1 ? 1 : timed);
 
   // Gather every rank's figures on every rank (after the counted steps).
-  constexpr int kFields = kNumMemoryCategories + 3;
+  constexpr int kFields = kNumMemoryCategories + 4;
   Tensor mine = Tensor::zeros({kFields}, TensorOptions{}.with_dtype(DType::i64));
   auto* m = static_cast<std::int64_t*>(mine.raw_data());
   for (int c = 0; c < kNumMemoryCategories; ++c) m[c] = peak[static_cast<std::size_t>(c)];
   m[kNumMemoryCategories] = counted_steps == 0 ? 0 : sent / counted_steps;
   m[kNumMemoryCategories + 1] = (*runner)->owned_numel();
   m[kNumMemoryCategories + 2] = activation_without;
+  m[kNumMemoryCategories + 3] = replayed_activation_peak;
   Tensor all = Tensor::zeros({kFields * world}, TensorOptions{}.with_dtype(DType::i64));
   SKT_RETURN_IF_ERROR(pg->all_gather(all, mine, {.tag = "stats"})->wait());
   SKT_RETURN_IF_ERROR((*runner)->gather_model());  // for the digest and the sample (rank 0 only)
@@ -727,6 +749,7 @@ absl::StatusOr<std::optional<RunResult>> train_rank(const Options& o, Strategy s
     s.bytes_sent_per_step = a[r * kFields + kNumMemoryCategories];
     s.owned_numel = a[r * kFields + kNumMemoryCategories + 1];
     s.activation_peak_without_checkpointing = a[r * kFields + kNumMemoryCategories + 2];
+    s.activation_peak_replayed = a[r * kFields + kNumMemoryCategories + 3];
     res.ranks.push_back(s);
   }
   res.param_digest = digest(model);

@@ -72,6 +72,9 @@ struct RankStats {
   // --checkpoint-activations: the activation peak of one more forward + backward without checkpointing
   // (Note [activation peak without checkpointing] in trainer.cc); -1 when not measured.
   std::int64_t activation_peak_without_checkpointing = -1;
+  // --compile: the activation peak of the replayed steps (every step after the run's first, whose capture holds
+  // every value of the step while it records); -1 when no step was replayed.
+  std::int64_t activation_peak_replayed = -1;
 };
 
 struct RunResult {
