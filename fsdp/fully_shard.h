@@ -102,7 +102,10 @@ class FSDPModule {
   // accumulated gradients into the shards. recurse: the whole subtree (FSDP2's default).
   void set_requires_gradient_sync(bool sync, bool recurse = true);
   // Whether backward releases the unit's full parameters after reducing its gradients (default true). false keeps
-  // them for the next forward (no all_gather there: accumulation steps), at the memory of the full unit.
+  // them for the next forward (no all_gather there: accumulation steps), at the memory of the full unit. Once a
+  // synchronised backward gives the shards their gradients the kept values count as stale (an optimizer step may
+  // follow): the next forward or summon gathers again (Note [kept after backward, stale after a step] in
+  // param_group.cc), so the saving holds between the backwards of an accumulation, not across steps.
   void set_reshard_after_backward(bool on, bool recurse = true);
   // false: the final callback of the next backwards keeps every unit as it is (unsharded units stay unsharded)
   // until a backward with true; for accumulation loops that step only after the last backward.

@@ -14,6 +14,12 @@
 // anyone steps; every rank then skips, or every rank steps. The per-rank check is common/optim/finite.h's
 // scale_and_find_non_finite (Note [finite checks]).
 //
+// Which group: one over which every gradient element is seen by some rank: the world group, or (ShardedDDP, OSS,
+// fully_shard) the group the gradients are sharded over. Under HSDP (fsdp::fully_shard on a 2-D mesh) the world
+// group or the shard group both work (the all-reduce across replicas carries an overflow to every replica); the
+// replicate group does NOT: a column of ranks whose rows did not overflow would step while the others skip, and the
+// replicas drift apart with no error (tests/fsdp/fsdp_scaler_combo6_test.cc).
+//
 // Thread-safety: none; one scaler belongs to one rank. unscale()/step() are collectives over the group.
 #pragma once
 
