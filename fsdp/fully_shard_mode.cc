@@ -114,7 +114,15 @@ std::int64_t FullyShardMode::shard_bytes() const {
   return bytes;
 }
 
+// Note [whole again after unshard_parameters]
+// unshard_parameters() hands the module (and the optimizer) whole tensors that the user may then read or write
+// (load_state_dict); the graph's shards are no longer the truth. Replaying would step the shards made at expand()
+// and ignore what was written (a helper's audit found a loaded model ignored: tests/common/capture/
+// compile_state_combo_test.cc). So from then on the mode asks for a recapture (recapture_reason), whose
+// before_capture() leaves the whole tensors as they are, and expand() shards them again.
 absl::Status FullyShardMode::unshard_parameters() {
+  if (whole_) return absl::OkStatus();  // the whole tensors are the truth (and may have been written)
+  whole_ = true;
   for (const Sharded& s : sharded_) {
     Tensor gathered = Tensor::empty({s.shard.numel() * group_->size()});
     if (absl::Status st = group_->all_gather(gathered, s.shard)->wait(group_->default_timeout()); !st.ok()) return st;
@@ -309,6 +317,7 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
   // The shards are the truth from here on: the full tensors give their bytes back.
   for (const Sharded& s : sharded) s.full.release_storage();
   sharded_ = std::move(sharded);
+  whole_ = false;
   return absl::OkStatus();
 }
 

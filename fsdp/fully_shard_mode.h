@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,10 +76,17 @@ class FullyShardMode final : public capture::ParallelMode {
   std::string name() const override { return "fully_shard"; }
   std::map<std::string, std::shared_ptr<comm::ProcessGroup>> groups() const override;
   absl::Status before_capture() override { return unshard_parameters(); }
+  // After unshard_parameters(): the whole tensors are the truth (Note [whole again after unshard_parameters]).
+  std::optional<std::string> recapture_reason() const override {
+    if (!whole_ || sharded_.empty()) return std::nullopt;
+    return "unshard_parameters() made the parameters whole (they may have been written): sharding them again";
+  }
   absl::Status expand(capture::StepGraph& graph) override;
 
   // Writes the shards back into the module's parameters and the optimizer's state tensors (reallocating them), on
-  // every rank. A collective. Nothing to do before the first expand().
+  // every rank. A collective. Nothing to do before the first expand(), nor a second time before the next capture:
+  // the whole tensors are then the truth (read or write them, e.g. load_state_dict), and the next call of the
+  // compiled step captures again and shards them anew (Note [whole again after unshard_parameters]).
   absl::Status unshard_parameters();
 
   // Bytes this rank holds in shards (parameters and optimizer state), for the memory figures.
@@ -94,6 +102,7 @@ class FullyShardMode final : public capture::ParallelMode {
   std::shared_ptr<comm::ProcessGroup> group_;
   FullyShardModeOptions options_;
   std::vector<Sharded> sharded_;  // parameters and optimizer state, while the graph holds their shards
+  bool whole_ = true;  // the module's whole tensors are the truth (before expand, after unshard_parameters)
 };
 
 }  // namespace shardkit::fsdp

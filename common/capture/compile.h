@@ -19,10 +19,22 @@
 // replay.
 //
 // Note [recapture]
-// A graph is only valid for what it was captured with. Before each call the compiled step compares the batch
-// (dtype and shape of each tensor) and the set of trainable parameters (which of the module's parameters require
-// grad) with the captured ones; on any difference it captures again, logging the reason (also kept in
-// last_capture_reason()), and never replays a graph for inputs it was not captured for.
+// A graph is only valid for what it was captured with. Before each call the compiled step compares what the graph
+// was captured with against the present, and on any difference captures again, logging the reason (also kept in
+// last_capture_reason()), so it never replays a graph for inputs it was not captured for:
+//   * the batch: dtype and shape of each tensor;
+//   * the module: which parameters require grad, and which modules are in training mode (train() / eval():
+//     dropout);
+//   * the optimizer: its param groups and their parameters (add_param_group), and the identity of its state
+//     tensors (load_state_dict makes new ones; an update that creates state, as SGD turning momentum on, too);
+//   * the parameters' gradients kept between steps (zero_grad(set_to_none = false)): which exist, and their identity;
+//   * the parallel mode's own reason (ParallelMode::recapture_reason: fsdp's FullyShardMode after
+//     unshard_parameters(), whose whole parameters may have been written);
+//   * CompileOptions::guard's value, and invalidate().
+// What the step function decides by itself (a branch on a flag of the user's, a head used in some steps only) is
+// NOT seen: the replay runs the branch that was captured. Put such a choice in CompileOptions::guard (its value
+// is compared before each call) or call invalidate() when it changes. Hyper-parameters are read when the update
+// runs (lr schedules need no recapture; Note [tracing the update] in common/optim/optimizer.cc).
 //
 // Activation checkpointing: a step whose model has checkpointed modules (nn::checkpoint, nn::checkpoint_blocks) is
 // captured with each checkpointed call's recompute and nested backward inside the backward, so replay runs the same
@@ -64,6 +76,8 @@ class ParallelMode {
   virtual std::map<std::string, std::shared_ptr<comm::ProcessGroup>> groups() const = 0;
   // Called before each capture runs the step eagerly: the parameters must then hold their full values.
   virtual absl::Status before_capture() { return absl::OkStatus(); }
+  // Why the graph must be captured again before the next call (Note [recapture]), or nullopt.
+  virtual std::optional<std::string> recapture_reason() const { return std::nullopt; }
   // Rewrites the captured single-rank graph for this mode.
   virtual absl::Status expand(StepGraph& graph) = 0;
 };
@@ -85,6 +99,9 @@ struct CompileOptions {
   std::int64_t coalesce_bytes = 0;
   // The replay's values come out of one StepArena (ExecutorOptions::arena).
   bool arena = true;
+  // Called before each call; a value other than the captured one's captures again (Note [recapture]). For what the
+  // step function decides by itself: e.g. [&] { return absl::StrCat(net.use_b); }.
+  std::function<std::string()> guard = nullptr;
 };
 
 // While a step is captured: records a placeholder node named `name` reading `reads` and writing `writes` (an
@@ -115,21 +132,33 @@ class CompiledStep {
   int coalesced() const { return coalesced_; }
   int captures() const { return captures_; }
   const std::string& last_capture_reason() const { return last_capture_reason_; }
+  // The next call captures again (Note [recapture]): for a change the compiled step cannot see.
+  void invalidate() { invalidated_ = true; }
 
  private:
+  // What a graph was captured with, as far as the compiled step can see (Note [recapture]).
+  struct CaptureKey {
+    std::vector<std::pair<DType, Shape>> batch;
+    std::vector<bool> trainable;
+    std::vector<bool> training;
+    std::vector<std::int64_t> group_sizes;
+    std::vector<std::pair<std::string, const void*>> optimizer_state;  // "<index>.<key>", tensor identity
+    std::vector<const void*> grads;  // per parameter, nullptr without a gradient
+    std::string guard;
+  };
+  CaptureKey key_now(const std::vector<Tensor>& batch) const;
   std::optional<std::string> recapture_reason(const std::vector<Tensor>& batch) const;
   absl::Status capture(const std::vector<Tensor>& batch, std::string reason);
-  std::vector<bool> trainable() const;
 
   StepFn step_;
   nn::Module& module_;
   optim::Optimizer& optimizer_;
   CompileOptions options_;
   std::optional<Executor> executor_;
-  std::vector<std::pair<DType, Shape>> captured_batch_;
+  CaptureKey captured_;
+  bool invalidated_ = false;
   std::vector<SlotId> batch_slots_;
   SlotId loss_slot_ = -1;
-  std::vector<bool> trainable_;
   std::map<std::string, int> captured_counts_;
   int expanded_collectives_ = 0;
   int deduplicated_ = 0;

@@ -20,8 +20,10 @@ absl::StatusOr<std::vector<ParamSlots>> find_param_slots(const StepGraph& graph)
     std::size_t grad_at = 1;
     if (n.reads.size() > 1 && !accumulated.count(n.reads[1])) grad_at = 2;  // [master, param, grad, ...]
     if (n.reads.size() <= grad_at || !accumulated.count(n.reads[grad_at])) {
-      return absl::InvalidArgumentError(absl::StrCat("node ", i, " (", describe(n),
-                                                     "): expected it to read a gradient the backward accumulated"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "node ", i, " (", describe(n), "): expected it to read a gradient the backward accumulated; a parallel mode "
+          "reduces only gradients this step's backward made, and this one got none (a frozen or unused parameter "
+          "holding a zero gradient that zero_grad(set_to_none = false) kept: drop gradients with zero_grad() instead)"));
     }
     p.param = grad_at == 2 ? n.reads[1] : n.reads[0];
     p.grad = n.reads[grad_at];

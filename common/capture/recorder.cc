@@ -24,6 +24,9 @@ Recorder::Recorder(RecorderOptions options)
   for (std::size_t i = 0; i < batch_.size(); ++i) {
     if (batch_[i].defined()) input_names_.emplace(batch_[i].storage().get(), absl::StrCat("batch.", i));
   }
+  for (const NamedTensor& s : options.not_inputs) {
+    if (s.tensor.defined()) not_inputs_.emplace(s.tensor.storage().get(), s.name);
+  }
   batch_slots_.assign(batch_.size(), -1);
 }
 
@@ -64,7 +67,9 @@ SlotId Recorder::slot_for_read(const Tensor& t, std::string_view op) {
     input = input_names_.find(t.storage().get());
   }
   if (input == input_names_.end()) {
-    if (error_.empty()) {
+    if (auto known = not_inputs_.find(t.storage().get()); known != not_inputs_.end() && error_.empty()) {
+      error_ = absl::StrCat("capture: op '", std::string(op), "' reads ", known->second);
+    } else if (error_.empty()) {
       error_ = absl::StrCat("capture: op '", std::string(op), "' reads ", t.describe(),
                             ", which no recorded op wrote and which is not an input of the step", std::string(kOverrideHint));
     }

@@ -52,8 +52,8 @@ struct NamedTensor {
 };
 
 struct RecorderOptions {
-  // Read and updated in place by the step, kept between steps: parameters, buffers, optimizer state (and
-  // gradients, when the step does not drop them). The names become the input slots' names.
+  // Read and updated in place by the step, kept between steps: parameters, buffers, optimizer state. The names
+  // become the input slots' names.
   std::vector<NamedTensor> state = {};
   // The step's data (slots "batch.<i>"); replay binds each call's tensors to those slots (Executor::set_input).
   std::vector<Tensor> batch = {};
@@ -62,6 +62,9 @@ struct RecorderOptions {
   std::function<std::vector<NamedTensor>()> late_state = nullptr;
   // Record the optimizer's updates without applying them (trace::Tracer::dry_run): the capture changes no state.
   bool dry_run = false;
+  // Tensors that are not inputs but that a step may read by mistake, with what to say when it does (a parameter's
+  // gradient kept from before the step: Note [gradients kept between steps] in compile.cc).
+  std::vector<NamedTensor> not_inputs = {};
 };
 
 class Recorder final : public trace::Tracer {
@@ -101,6 +104,7 @@ class Recorder final : public trace::Tracer {
   std::vector<Node> outputs_;
   std::map<Key, SlotId> slots_;
   std::map<const void*, std::string> input_names_;  // declared inputs by storage
+  std::map<const void*, std::string> not_inputs_;   // RecorderOptions::not_inputs by storage
   std::map<const void*, SlotId> forward_op_of_;     // autograd node -> a slot the op that created it wrote
   std::vector<SlotId> batch_slots_;
   std::vector<Tensor> batch_;

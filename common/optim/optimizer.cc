@@ -1,6 +1,7 @@
 #include "common/optim/optimizer.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <set>
 #include <utility>
 
@@ -184,6 +185,12 @@ absl::Status Optimizer::step() {
 // state...], the state in key order. Its kernel counts the step on this optimizer's live state (bias correction
 // follows the real step count) and takes the hyper-parameters as they are when it runs (LR schedules work), so
 // replay is the same update as step(). A dry-run capture records it without applying it (nor counting the step).
+// State an update makes when it first runs (SGD's momentum buffer when momentum was turned on after the capture;
+// Note [SGD's momentum buffer] in sgd.cc) is not in the recording: the replay's update makes it in its view, and
+// the kernel keeps it as live state when it is the whole parameter's, so the compiled step, seeing the optimizer's
+// state changed, captures again with it before the next call (Note [recapture] in common/capture/compile.h).
+// Made for a shard (a parallel mode handed the update shards), it cannot become the whole parameter's state: the
+// replay fails saying so.
 // Because the tensors are arguments, a parallel mode may hand it shards of
 // all of them (the update is elementwise). The kernel refers to this optimizer: it must outlive the replay.
 void Optimizer::trace_update(std::size_t group_index, std::size_t index, const Tensor& weights, const Tensor& param,
@@ -206,7 +213,7 @@ void Optimizer::trace_update(std::size_t group_index, std::size_t index, const T
     writes.push_back(t);
   }
   scope.record(absl::StrCat(name_, ".update"), std::move(reads), std::move(writes),
-               [this, group_index, index, master, keys](trace::KernelArgs& a) {
+               [this, group_index, index, master, keys, numel = param.numel()](trace::KernelArgs& a) {
                  const std::vector<Tensor>& r = a.reads;
                  ParamState& live = *states_[index];
                  ++live.step;
@@ -215,6 +222,16 @@ void Optimizer::trace_update(std::size_t group_index, std::size_t index, const T
                  const std::size_t first_state = master ? 3 : 2;
                  for (std::size_t k = 0; k < keys.size(); ++k) view.tensors[keys[k]] = r[first_state + k];
                  update(groups_[group_index].hyper, r[0], master ? r[1] : r[0], r[master ? 2 : 1], view);
+                 for (auto& [key, t] : view.tensors) {  // state the update made (above)
+                   if (std::find(keys.begin(), keys.end(), key) != keys.end()) continue;
+                   if (t.numel() != numel) {
+                     throw std::runtime_error(absl::StrCat(
+                         name_, ": the update made optimizer state '", key, "' for a shard during a replay (a "
+                         "hyper-parameter that needs state, e.g. SGD momentum, was turned on after the capture); "
+                         "a sharded compiled step needs it from the start"));
+                   }
+                   live.tensors.emplace(key, std::move(t));
+                 }
                });
 }
 

@@ -33,18 +33,28 @@ absl::Status Sgd::validate_hyper(const HyperParams& h) const {
   return absl::OkStatus();
 }
 
+// Note [SGD's momentum buffer]
+// With momentum on from the start the buffer is state from the parameter's first step (init_state), so a captured
+// step records it and its replay carries it from call to call; made inside the update instead, each replay (which
+// hands the update a fresh view of the recorded state) made a new zero buffer, and a step compiled from the start
+// never built up momentum (a helper's audit, tests/common/capture/compile_combo_test.cc). Its first step takes the
+// gradient as it is (PyTorch: buf = grad; it differs from a zero buffer's step with dampening only), told by the step
+// count: a state dict holding a buffer must hold its step count too (ours do). Momentum turned on mid-run makes the
+// buffer at its first use (Note [tracing the update] in optimizer.cc says what a replay does with it).
+void Sgd::init_state(const HyperParams& h, const Tensor& param, ParamState& state) const {
+  if (h.momentum != 0.0) state.tensors.emplace(kMomentumBuffer, zeros_state(param));
+}
+
+Sgd::Momentum Sgd::momentum_buffer(const HyperParams& h, const Tensor& param, ParamState& state) {
+  if (h.momentum == 0.0) return {};
+  auto it = state.tensors.find(kMomentumBuffer);
+  if (it != state.tensors.end()) return {it->second.data<float>(), state.step == 1};
+  return {state.tensors.emplace(kMomentumBuffer, zeros_state(param)).first->second.data<float>(), true};
+}
+
 void Sgd::update(const HyperParams& h, const Tensor& weights, const Tensor& param, const Tensor& grad,
                  ParamState& state) {
-  float* buf = nullptr;
-  bool first = false;
-  if (h.momentum != 0.0) {
-    auto it = state.tensors.find(kMomentumBuffer);
-    if (it == state.tensors.end()) {
-      it = state.tensors.emplace(kMomentumBuffer, zeros_state(param)).first;
-      first = true;
-    }
-    buf = it->second.data<float>();
-  }
+  const auto [buf, first] = momentum_buffer(h, param, state);
   const bool master = !weights.is_same(param);
   fused::sgd_step(weights.data<float>(), master ? param.raw_data() : nullptr, param.dtype(), grad.raw_data(),
                   grad.dtype(), buf, param.numel(), fused::sgd_coeffs(h, first));
@@ -53,16 +63,7 @@ void Sgd::update(const HyperParams& h, const Tensor& weights, const Tensor& para
 void Sgd::update_on_device(const HyperParams& h, Device device, absl::Span<const DeviceUpdate> updates) {
   std::vector<std::pair<DtypePair, std::vector<cuda::SgdTensor>>> batches;
   for (const DeviceUpdate& u : updates) {
-    float* buf = nullptr;
-    bool first = false;
-    if (h.momentum != 0.0) {
-      auto it = u.state->tensors.find(kMomentumBuffer);
-      if (it == u.state->tensors.end()) {
-        it = u.state->tensors.emplace(kMomentumBuffer, zeros_state(u.param)).first;
-        first = true;
-      }
-      buf = it->second.data<float>();
-    }
+    const auto [buf, first] = momentum_buffer(h, u.param, *u.state);
     const bool master = !u.weights.is_same(u.param);
     const fused::SgdCoeffs c = fused::sgd_coeffs(h, first);
     add_to_batch(batches, {u.param.dtype(), u.grad.dtype()},

@@ -35,11 +35,20 @@ class Sgd final : public Optimizer {
   absl::Status validate_hyper(const HyperParams& h) const override;
   std::vector<std::string> required_state_keys(const HyperParams& h) const override { return {}; }
   std::vector<std::string> optional_state_keys(const HyperParams& h) const override { return {kMomentumBuffer}; }
-  void init_state(const HyperParams& h, const Tensor& param, ParamState& state) const override {}
+  void init_state(const HyperParams& h, const Tensor& param, ParamState& state) const override;
   void update(const HyperParams& h, const Tensor& weights, const Tensor& param, const Tensor& grad,
               ParamState& state) override;
   bool has_device_kernels() const override { return true; }
   void update_on_device(const HyperParams& h, Device device, absl::Span<const DeviceUpdate> updates) override;
+
+ private:
+  // The momentum buffer (nullptr when momentum is off) and whether this is its first step (Note [SGD's momentum
+  // buffer] in sgd.cc).
+  struct Momentum {
+    float* buf = nullptr;
+    bool first = false;
+  };
+  static Momentum momentum_buffer(const HyperParams& h, const Tensor& param, ParamState& state);
 };
 
 }  // namespace shardkit::optim
