@@ -101,6 +101,11 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   }
   auto params = params_to_manage(module, options);
   if (!params.ok()) return params.status();
+  // Ignored parameters stay whole on every rank: under deferred init they get their values here, as an eager
+  // build has them (they would otherwise stay without bytes: a helper's audit, fsdp_combo7_deferred_test).
+  if (nn::DeferredInit* deferred = nn::current_deferred_init()) {
+    for (const Tensor& t : options.ignored_params) deferred->materialize(t);
+  }
   std::vector<Tensor> originals;
   for (const FSDPParam& p : *params) originals.push_back(p.registrations.front().first->parameter(p.registrations.front().second));
   for (std::size_t i = 1; i < originals.size(); ++i) {  // Note [unit on a device] in param_group.cc

@@ -188,11 +188,24 @@ void ParamGroup::reshard_to_group() {
     zero_range(kshard_, k_offsets_[j] + rs.local_rows * rs.row_numel, (rs.rows_per_rank - rs.local_rows) * rs.row_numel);
     copy_rows(kshard_, k_offsets_[j], p.unsharded, rs.row_offset * rs.row_numel, rs.local_rows, rs.row_numel);
   }
-  for (FSDPParam& p : params_) p.register_as(p.sharded);
+  register_shards();
   k_exact_ = unsharded_exact();
   full_.release_storage();
   unsharded_ = false;
   k_resharded_ = true;
+}
+
+// Note [freezing while unsharded]
+// While a unit is unsharded the module's parameters are the unsharded tensors, so model.set_requires_grad() between
+// steps with the unit kept unsharded (set_reshard_after_backward(false), reshard_after_forward false) sets the flag
+// on those; the next unshard used to copy the shards' old flag back over it, and the freeze was lost (a helper's
+// audit: a frozen block kept training, tests/fsdp/fsdp_combo7_frozen_test.cc). So whichever tensor the module holds
+// has the flag that counts (trains()), and registering the shards again carries it over to them.
+void ParamGroup::register_shards() {
+  for (FSDPParam& p : params_) {
+    if (unsharded_) p.sharded.set_requires_grad(p.unsharded.requires_grad());
+    p.register_as(p.sharded);
+  }
 }
 
 // Note [kept after backward, stale after a step]
@@ -305,7 +318,7 @@ void ParamGroup::reshard() {
   }
   stale_ = false;
   if (!unsharded_) return;
-  for (FSDPParam& p : params_) p.register_as(p.sharded);
+  register_shards();
   full_.release_storage();
   unsharded_ = false;
 }
@@ -343,7 +356,7 @@ ParamGroup::ReduceLayout ParamGroup::reduce_layout(bool own) const {
     if (own_pass) l.shared = own ? l.total : 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const FSDPParam& p = params_[i];
-      if (p.own_collective != own_pass || !p.sharded.requires_grad()) continue;
+      if (p.own_collective != own_pass || !trains(p)) continue;
       l.offsets[i] = l.total;
       l.total += p.padded_numel();
     }
@@ -354,7 +367,7 @@ ParamGroup::ReduceLayout ParamGroup::reduce_layout(bool own) const {
 
 bool ParamGroup::needs_reduce() const {
   return partial_.defined() ||
-         std::any_of(params_.begin(), params_.end(), [](const FSDPParam& p) { return p.sharded.requires_grad(); });
+         std::any_of(params_.begin(), params_.end(), [this](const FSDPParam& p) { return trains(p); });
 }
 
 void ParamGroup::drop_unsharded_grads() {
@@ -506,7 +519,7 @@ absl::Status ParamGroup::finish_reduce_grads() {
     FSDPParam& p = params_[i];
     const std::int64_t offset = pending.layout.offsets[i];
     // Frozen when the reduce started: not reduced. Frozen since (between the backward and its wait): no gradient.
-    if (offset < 0 || !p.sharded.requires_grad()) continue;
+    if (offset < 0 || !trains(p)) continue;
     const Tensor mine = out.view(offset, p.local_shape);
     if (const Tensor acc = p.sharded.grad(); acc.defined()) {  // accumulation over several backwards
       kernels::add(acc, mine, acc);

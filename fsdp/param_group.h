@@ -126,6 +126,10 @@ class ParamGroup {
 
  private:
   absl::Status finish_unshard(const Tensor& gathered, bool own);
+  // Whether `p` requires grad now: the flag of the tensor the module holds (Note [freezing while unsharded]).
+  bool trains(const FSDPParam& p) const { return (unsharded_ ? p.unsharded : p.sharded).requires_grad(); }
+  // Registers the shards as the module's parameters, carrying the flags set meanwhile on the unsharded tensors.
+  void register_shards();
   // Whether this unshard / reduce uses own collectives (Note [own collectives]): f32 moved, whole group.
   bool own_unshard(DType gather_dtype) const { return own_numel_ > 0 && !k_resharded_ && gather_dtype == DType::f32; }
   bool own_reduce() const { return own_numel_ > 0 && mp_.reduce_in() == DType::f32; }

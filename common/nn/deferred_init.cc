@@ -34,6 +34,15 @@ bool DeferredInit::is_deferred(const Tensor& t) const {
   return it != recipes_.end() && it->second.tensor.lock() == t.impl_ptr();
 }
 
+void DeferredInit::transfer(const Tensor& from, const Tensor& to) {
+  if (!is_deferred(from)) return;
+  auto it = recipes_.find(from.id());
+  Recipe r = std::move(it->second);
+  recipes_.erase(it);
+  r.tensor = to.impl_ptr();
+  recipes_[to.id()] = std::move(r);
+}
+
 void DeferredInit::materialize(const Tensor& t) {
   auto it = recipes_.find(t.id());
   if (it == recipes_.end()) return;
@@ -41,18 +50,21 @@ void DeferredInit::materialize(const Tensor& t) {
   recipes_.erase(it);
   if (r.tensor.lock() != t.impl_ptr()) return;  // a dead tensor's address reused
   if (t.nbytes() > 0) t.reallocate_storage();
+  // On another device (transfer): filled on the host, then copied there.
+  const Tensor host = t.device().is_cpu() ? t : Tensor::empty(t.shape(), TensorOptions{}.with_dtype(t.dtype()));
   const std::int64_t n = t.numel();
   if (r.kind == Kind::constant) {
-    t.fill_(r.a);
-    return;
-  }
-  std::vector<float> v(static_cast<std::size_t>(n));
-  if (r.kind == Kind::uniform) {
-    r.gen.fill_uniform(v.data(), n, r.a, r.b);
+    host.fill_(r.a);
   } else {
-    r.gen.fill_normal(v.data(), n, r.a, r.b);
+    std::vector<float> v(static_cast<std::size_t>(n));
+    if (r.kind == Kind::uniform) {
+      r.gen.fill_uniform(v.data(), n, r.a, r.b);
+    } else {
+      r.gen.fill_normal(v.data(), n, r.a, r.b);
+    }
+    convert_elements(v.data(), DType::f32, host.raw_data(), host.dtype(), n);
   }
-  convert_elements(v.data(), DType::f32, t.raw_data(), t.dtype(), n);
+  if (!host.is_same(t)) t.copy_(host);
 }
 
 void DeferredInit::materialize(const Module& m) {

@@ -44,6 +44,9 @@ class DeferredInit {
   // Every deferred parameter of `m` and its descendants.
   void materialize(const Module& m);
   bool is_deferred(const Tensor& t) const;
+  // `to` (a tensor without bytes, of `from`'s shape and dtype, e.g. on another device: Module::to(Device)) takes
+  // over `from`'s recipe; materialize(to) then fills it where it lives. Nothing when `from` is not deferred.
+  void transfer(const Tensor& from, const Tensor& to);
   // Number of parameters not materialised yet.
   std::size_t pending() const { return recipes_.size(); }
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/autograd/grad_mode.h"
+#include "common/nn/deferred_init.h"
 
 namespace shardkit::nn {
 namespace {
@@ -260,11 +261,24 @@ void Module::to(DType dtype) {
 
 void Module::to(Device device) {
   absl::flat_hash_map<const TensorImpl*, Tensor> moved;
+  DeferredInit* deferred = current_deferred_init();
   auto move = [&](const Tensor& t) -> Tensor {
     if (!t.defined() || t.device() == device) return t;
     auto it = moved.find(t.id());
     if (it != moved.end()) return it->second;
-    Tensor n = t.to(device, t.storage() ? std::optional<MemoryCategory>(t.storage()->category()) : std::nullopt);
+    Tensor n;
+    if (t.nbytes() > 0 && t.storage_released()) {
+      // No bytes to move: a deferred parameter moves its recipe (it is filled where it lives when materialised);
+      // any other (a parameter fully_shard took) cannot be moved.
+      SK_CHECK(deferred != nullptr && deferred->is_deferred(t))
+          << "Module::to: " << t.describe() << " has no bytes and is not a deferred parameter of the current "
+          << "nn::DeferredInitScope (fsdp::fully_shard releases what it shards: move the module before sharding it)";
+      n = Tensor::empty(t.shape(), TensorOptions{}.with_dtype(t.dtype()).with_device(device).with_category(t.storage()->category()));
+      n.release_storage();
+      deferred->transfer(t, n);
+    } else {
+      n = t.to(device, t.storage() ? std::optional<MemoryCategory>(t.storage()->category()) : std::nullopt);
+    }
     n.set_requires_grad(t.requires_grad());
     moved.emplace(t.id(), n);
     return n;

@@ -128,6 +128,9 @@ class Module {
   // Moves every parameter and buffer to `device` (new tensors of the same dtype and ledger category, copied;
   // requires_grad kept, gradients dropped). Sharing is kept as by to(DType). Forward then runs where the
   // parameters are: the inputs must be on that device too (Note [ops on devices] in common/autograd/ops).
+  // Inside an nn::DeferredInitScope a deferred parameter (no bytes yet) moves without bytes: materialising it later
+  // (fsdp::fully_shard does) fills it on `device` (DeferredInit::transfer). A parameter without bytes that is not
+  // deferred (one fully_shard took) cannot be moved: a check failure naming it.
   void to(Device device);
 
   // ---- state dict ------------------------------------------------------------------------------
