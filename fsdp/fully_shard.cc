@@ -47,9 +47,10 @@ absl::StatusOr<std::vector<FSDPParam>> params_to_manage(nn::Module& module, cons
       if (t.storage_released() && (deferred == nullptr || !deferred->is_deferred(t))) {
         return absl::InvalidArgumentError(absl::StrCat(
             "fully_shard: parameter '", fqn, "' of this ", module.type_name(),
-            " has no bytes: another fully_shard call already sharded it; a parameter shared by two units belongs to "
-            "their common ancestor (shard the ancestor, use fsdp::auto_shard, or name it in the earlier call's "
-            "FullyShardOptions::leave_to_ancestor)"));
+            " has no bytes: another fully_shard call already sharded it (a parameter shared by two units belongs to "
+            "their common ancestor: shard the ancestor, use fsdp::auto_shard, or name it in the earlier call's "
+            "FullyShardOptions::leave_to_ancestor), or it was built inside an nn::DeferredInitScope that is no "
+            "longer installed (call fully_shard inside the scope)"));
       }
       if (t.dtype() != DType::f32) {
         return absl::InvalidArgumentError(absl::StrCat("fully_shard: expected f32 parameters, found ",

@@ -4,6 +4,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/capture/param_slots.h"
 
@@ -175,6 +176,31 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
     return id;
   };
 
+  // Note [frozen parameters in the fully-shard mode]
+  // What is sharded: every parameter the optimizer updates, and every frozen parameter (requires_grad false) the
+  // step reads, as FSDP2 shards frozen parameters too. A frozen one is gathered for its uses like the others, viewed
+  // without requires_grad, and has no gradient to reduce and no update. A parameter that requires grad but that the
+  // optimizer does not hold stays whole (its gradient is the step's own).
+  struct Target {
+    SlotId param;
+    const capture::ParamSlots* slots;  // nullptr: frozen
+  };
+  std::vector<Target> targets;
+  {
+    std::set<SlotId> updated;
+    for (const capture::ParamSlots& p : *params) {
+      targets.push_back({p.param, &p});
+      updated.insert(p.param);
+    }
+    for (const Node& n : nodes) {
+      if (n.kind != NodeKind::input || n.writes.size() != 1 || updated.count(n.writes[0]) != 0) continue;
+      const capture::Slot& slot = graph.slot(n.writes[0]);
+      if (absl::StartsWith(slot.name, "param.") && slot.value.defined() && !slot.value.requires_grad()) {
+        targets.push_back({n.writes[0], nullptr});
+      }
+    }
+  }
+
   // Where each parameter is used in each pass: the nodes that read it or a view of it the graph names ("view",
   // "reshape"), and the backward nodes whose forward op did (they saved it).
   struct Uses {
@@ -182,8 +208,9 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
   };
   std::vector<Uses> uses;
   std::vector<FirstGather> first_forward;  // for the forward's bucket anchors
-  for (const capture::ParamSlots& p : *params) {
-    std::set<SlotId> alias = {p.param};
+  for (const Target& t : targets) {
+    const int update_node = t.slots != nullptr ? t.slots->update : -1;
+    std::set<SlotId> alias = {t.param};
     for (const Node& n : nodes) {
       if (n.kind == NodeKind::op && (n.name == "view" || n.name == "reshape") && reads_any(n, alias)) {
         alias.insert(n.writes.begin(), n.writes.end());
@@ -191,7 +218,7 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
     }
     Uses u;
     for (std::size_t j = 0; j < nodes.size(); ++j) {
-      if (static_cast<int>(j) == p.update) continue;
+      if (static_cast<int>(j) == update_node) continue;
       const Node& n = nodes[j];
       bool used = reads_any(n, alias);
       if (!used && n.grad_fn_slot >= 0) {
@@ -201,7 +228,7 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
       if (used) (j < first_backward ? u.forward : u.backward).push_back(j);
     }
     if (!u.forward.empty()) {
-      const std::int64_t rows = (graph.slot(p.param).numel() + world - 1) / world;
+      const std::int64_t rows = (graph.slot(t.param).numel() + world - 1) / world;
       first_forward.push_back({u.forward.front(), rows * world * static_cast<std::int64_t>(sizeof(float)), Node{}});
     }
     uses.push_back(std::move(u));
@@ -209,8 +236,15 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
   const std::vector<std::size_t> forward_anchors = bucket_anchors(first_forward, options_.bucket_bytes);
   const std::size_t last_forward_anchor = forward_anchors.empty() ? 0 : forward_anchors.back();
 
-  for (std::size_t param_index = 0; param_index < params->size(); ++param_index) {
-    const capture::ParamSlots& p = (*params)[param_index];
+  for (std::size_t param_index = 0; param_index < targets.size(); ++param_index) {
+    const SlotId param_slot = targets[param_index].param;
+    const bool trainable = targets[param_index].slots != nullptr;
+    capture::ParamSlots p;
+    if (trainable) {
+      p = *targets[param_index].slots;
+    } else {
+      p.param = p.weights = param_slot;
+    }
     // A copy: slots are added to the graph below, which may move its slots.
     const capture::Slot param = graph.slot(p.param);
     if (p.weights != p.param) {
@@ -236,7 +270,6 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
     absl::StatusOr<SlotId> shard = shard_input(p.param);
     if (!shard.ok()) return shard.status();
     const SlotId gathered = graph.add_slot(absl::StrCat("gathered.", param.name), DType::f32, {rows * world});
-    const SlotId grad_shard = graph.add_slot(absl::StrCat("grad_shard.", param.name), DType::f32, {rows});
 
     const std::vector<std::size_t>& forward_uses = uses[param_index].forward;
     const std::vector<std::size_t>& backward_uses = uses[param_index].backward;
@@ -252,9 +285,9 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
       const std::size_t j = forward_uses[k];
       if (k == 0) forward_gathers.push_back({j, gathered_bytes, gather});
       if (k > 0) before[j].push_back(gather);
-      before[j].push_back(op("unshard_view", {gathered}, {p.param}, [shape](trace::KernelArgs& a) {
+      before[j].push_back(op("unshard_view", {gathered}, {p.param}, [shape, trainable](trace::KernelArgs& a) {
         Tensor v = Tensor::over(a.reads[0].storage(), a.reads[0].offset_bytes(), shape, DType::f32);
-        v.set_requires_grad(true);
+        v.set_requires_grad(trainable);
         a.writes[0] = std::move(v);
       }));
     }
@@ -267,8 +300,10 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
       before[j].push_back(op("await_unshard", {gathered}, {}, [](trace::KernelArgs&) {}));
     }
     if (!backward_uses.empty()) after[backward_uses.back()].push_back(reshard);
+    if (!trainable) continue;  // Note [frozen parameters in the fully-shard mode]
 
     // The gradient: padded to N * rows when needed, then reduce_scatter(avg) into this rank's rows.
+    const SlotId grad_shard = graph.add_slot(absl::StrCat("grad_shard.", param.name), DType::f32, {rows});
     SlotId scatter_in = p.grad;
     std::vector<Node>& grad_nodes = after[static_cast<std::size_t>(p.grad_done)];
     if (rows * world != numel) {

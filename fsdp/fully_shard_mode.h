@@ -25,7 +25,8 @@
 // Limits (each an InvalidArgument / Unimplemented from expand(), never a wrong answer): bf16/f16 parameters with
 // fp32 master weights are not sharded yet; a node that uses a full gradient between the backward and the update
 // (clip_grad_norm) is refused, since the gradient is reduce-scattered by then; a parameter must be read in forward through ops or views the graph
-// names ("reshape", "view"). Frozen parameters (no update) stay whole on every rank.
+// names ("reshape", "view"). Frozen parameters (requires_grad false) are sharded and gathered too, never reduced;
+// one that requires grad but is not the optimizer's stays whole (Note [frozen parameters in the fully-shard mode]).
 //
 // Ownership: holds the group; refers to nothing else after expand() (it keeps the tensors it shards).
 // Thread-safety: one mode per rank.

@@ -108,6 +108,50 @@ void ExpectCompiledEqualsEager(int world, const nn::GPTConfig& config, int steps
 
 class FullyShardModeTest : public ::testing::TestWithParam<int> {};
 
+// Frozen parameters are sharded too (Note [frozen parameters in the fully-shard mode]), as eager fully_shard does:
+// with block 0 frozen, every rank holds its rows of the frozen block (no optimizer state) and trains bit for bit as
+// eager fsdp with the same block frozen; the block does not move.
+TEST(FullyShardModeFrozen, AFrozenBlockIsShardedAndTrainsAsEagerFsdp) {
+  constexpr int kWorld = 2, kSteps = 3;
+  auto freeze = [](nn::GPT& m) { (*m.blocks)[0]->set_requires_grad(false); };
+  std::vector<std::vector<std::vector<float>>> eager_values(kWorld), compiled_values(kWorld);
+  std::vector<float> block0_before;
+  absl::Status st = comm::RunRanks(kWorld, [&](comm::RankEnv& env) -> absl::Status {
+    const int rows = kBatch / env.world_size;
+    const auto r = static_cast<std::size_t>(env.rank);
+    {
+      nn::GPT model(TinyConfig(), 1);
+      freeze(model);
+      if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+      optim::AdamW opt(model.parameters());
+      if (absl::Status s = test_util::TrainRows(model, opt, env.rank, env.world_size, 0, kSteps); !s.ok()) return s;
+      if (absl::Status s = test_util::StoreFullValues(model, eager_values, env.rank); !s.ok()) return s;
+    }
+    nn::GPT model(TinyConfig(), 1);
+    freeze(model);
+    const Tensor frozen = (*model.blocks)[0]->parameters()[0];
+    if (env.rank == 0) block0_before = frozen.to_vector();
+    optim::AdamW opt(model.parameters());
+    auto mode = std::make_shared<FullyShardMode>(env.group_ptr);
+    capture::CompiledStep compiled = capture::compile(TrainStep(model, opt), model, opt, {.parallel_mode = mode});
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = Batch(step, env.rank * rows, rows);
+      absl::StatusOr<Tensor> loss = compiled({x, y});
+      if (!loss.ok()) return loss.status();
+    }
+    std::int64_t want = 0;  // parameters' rows, and AdamW's two moments of the trainable ones
+    for (const Tensor& p : model.parameters()) want += (p.requires_grad() ? 3 : 1) * 4 * ((p.numel() + kWorld - 1) / kWorld);
+    EXPECT_EQ(mode->shard_bytes(), want);
+    EXPECT_TRUE(frozen.storage_released()) << "the frozen block's full parameter gave its bytes back";
+    if (absl::Status s = mode->unshard_parameters(); !s.ok()) return s;
+    EXPECT_EQ(frozen.to_vector(), block0_before) << "rank " << env.rank;
+    compiled_values[r] = gpt_tiny::Values(model);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  for (std::size_t r = 0; r < kWorld; ++r) EXPECT_TRUE(compiled_values[r] == eager_values[r]) << "rank " << r;
+}
+
 TEST_P(FullyShardModeTest, TwentyStepsEqualEagerFsdp) { ExpectCompiledEqualsEager(GetParam(), TinyConfig(), 20); }
 
 // Gathers in buckets of 4 KiB (a few per block of GPT-tiny's 44 KB), one bucket ahead; calls coalesced up to the
