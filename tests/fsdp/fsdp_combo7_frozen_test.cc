@@ -165,46 +165,8 @@ Params Reference(const Schedule& sched, int steps, const optim::OptimizerFactory
 
 // test_util::Bf16Reference (1-D, bf16 gathers and reductions, world ranks' rows) with `parts` frozen throughout.
 Params Bf16FrozenReference(const Parts& parts, int steps, int world) {
-  RankContext ctx;
-  RankContextScope scope(ctx);
-  nn::GPT master(gpt_tiny::TinyConfig(), 1), compute(gpt_tiny::TinyConfig(), 1);
-  SetTrainable(master, parts, false);
-  SetTrainable(compute, parts, false);
-  std::vector<autograd::HookHandle> hooks;
-  for (nn::Module* b : modules_of_type(compute, "TransformerBlock")) {
-    hooks.push_back(b->register_forward_pre_hook([](nn::Module&, const nn::TensorList& in) -> std::optional<nn::TensorList> {
-      return nn::round_floating(in, DType::bf16);
-    }));
-  }
-  auto opt = optim::AdamW::factory()({{master.parameters(), optim::AdamW::default_hyper()}});
-  const std::vector<Tensor> mp = master.parameters(), cp = compute.parameters();
-  const int rows = gpt_tiny::kBatch / world;
-  for (int step = 0; step < steps; ++step) {
-    for (std::size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i].to(DType::bf16));
-    std::vector<std::vector<float>> sum(mp.size());
-    for (int r = 0; r < world; ++r) {
-      for (const Tensor& p : cp) p.set_grad(Tensor());
-      auto [x, y] = gpt_tiny::Batch(step, r * rows, rows);
-      autograd::backward(compute.loss(x, y));
-      for (std::size_t i = 0; i < mp.size(); ++i) {
-        if (!cp[i].requires_grad()) continue;
-        const std::vector<float> g = cp[i].grad().to(DType::bf16).to(DType::f32).to_vector();
-        if (r == 0) {
-          sum[i] = g;
-        } else {
-          for (std::size_t k = 0; k < g.size(); ++k) sum[i][k] += g[k];
-        }
-      }
-    }
-    (*opt)->zero_grad();
-    for (std::size_t i = 0; i < mp.size(); ++i) {
-      if (!mp[i].requires_grad()) continue;
-      for (float& v : sum[i]) v /= static_cast<float>(world);
-      mp[i].set_grad(Tensor::from_vector(sum[i], mp[i].shape()).to(DType::bf16).to(DType::f32));
-    }
-    EXPECT_TRUE((*opt)->step().ok());
-  }
-  return gpt_tiny::Values(master);
+  return test_util::Bf16Reference(steps, [world](int) { return world; },
+                                  [&parts](nn::GPT& m) { SetTrainable(m, parts, false); });
 }
 
 // Checks every rank runs before each optimizer step (and may tamper with, to plant mistakes).

@@ -11,7 +11,6 @@
 // trains on its MPI rank, rank 0 also runs the same case over the in-process backend (threads) and broadcasts its
 // values, and every rank checks its own values against them bit for bit. The launcher passes when mpirun exits 0 and
 // every rank printed gtest's OK line for the test.
-#include <unistd.h>
 
 #include <cstdlib>
 #include <functional>
@@ -24,7 +23,7 @@
 #include "gtest/gtest.h"
 #include "tests/fsdp/fsdp_combo6_util.h"
 #include "tests/testing/gpt_tiny_data.h"
-#include "tests/tools/subprocess.h"
+#include "tests/testing/run_under_mpi.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -39,33 +38,7 @@ constexpr int kSteps = 3;
 
 // Runs the current test under `mpirun -np n` (see the top of the file); in a rank process, fn(world).
 void RunUnderMpi(int n, const std::function<void(std::shared_ptr<comm::ProcessGroup>)>& fn) {
-  if (std::getenv(kMpiRankEnv) != nullptr) {  // a rank process
-    static auto world = comm::create_mpi_world({.default_timeout = absl::Seconds(60)});  // MPI: once per process
-    ASSERT_TRUE(world.ok()) << world.status();
-    ASSERT_EQ((*world)->size(), n);
-    fn(*world);
-    return;
-  }
-  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string test = absl::StrCat(info->test_suite_name(), ".", info->name());
-  char self[4096];
-  const ssize_t len = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  ASSERT_GT(len, 0);
-  const char* asan = std::getenv("ASAN_OPTIONS");
-  const std::string asan_options = absl::StrCat(asan != nullptr ? asan : "", asan != nullptr ? ":" : "", "detect_leaks=0");
-  const auto r = shardkit::testing::run_command(
-      {MPIEXEC_PATH, "-np", std::to_string(n), "--oversubscribe", "--bind-to", "none", std::string(self, len),
-       "--gtest_filter=" + test, "--gtest_color=no"},
-      120,
-      {{kMpiRankEnv, "1"}, {"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
-       {"ASAN_OPTIONS", asan_options}});
-  int passed = 0;
-  const std::string ok_line = absl::StrCat("[       OK ] ", test, " (");
-  for (auto at = r.out.find(ok_line); at != std::string::npos; at = r.out.find(ok_line, at + 1)) ++passed;
-  EXPECT_TRUE(!r.timed_out && r.exit_code == 0 && passed == n)
-      << "mpirun -np " << n << " " << test << ": " << (r.timed_out ? "timed out" : absl::StrCat("exit code ", r.exit_code))
-      << ", " << passed << " of " << n << " ranks passed; their output:\n"
-      << r.out << r.err;
+  shardkit::testing::RunUnderMpi(kMpiRankEnv, n, fn);
 }
 
 // In a rank process: trains each case over MPI; rank 0 runs it over the in-process backend too (and checks f32 cases

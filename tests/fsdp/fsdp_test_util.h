@@ -65,11 +65,16 @@ inline absl::Status StoreFullValues(nn::Module& model, std::vector<std::vector<s
 // ranks' rows: an f32 master model stepped by AdamW; each step a compute model gets the master's values rounded to
 // bf16, every block's input is rounded to bf16, each rank's rows give a gradient rounded to bf16, and the master gets
 // their average as the backends form it (f32 sum in rank order, divided by the count, rounded to bf16 once;
-// process_group.h).
-inline std::vector<std::vector<float>> Bf16Reference(int steps, const std::function<int(int)>& world_at) {
+// process_group.h). `prepare` runs on both models first (e.g. freezing parts: frozen parameters get no gradient).
+inline std::vector<std::vector<float>> Bf16Reference(int steps, const std::function<int(int)>& world_at,
+                                                     const std::function<void(nn::GPT&)>& prepare = nullptr) {
   RankContext ctx;
   RankContextScope scope(ctx);
   nn::GPT master(gpt_tiny::TinyConfig(), 1), compute(gpt_tiny::TinyConfig(), 1);
+  if (prepare) {
+    prepare(master);
+    prepare(compute);
+  }
   std::vector<autograd::HookHandle> hooks;
   for (nn::Module* b : modules_of_type(compute, "TransformerBlock")) {
     hooks.push_back(b->register_forward_pre_hook([](nn::Module&, const nn::TensorList& in) -> std::optional<nn::TensorList> {
@@ -87,6 +92,7 @@ inline std::vector<std::vector<float>> Bf16Reference(int steps, const std::funct
       auto [x, y] = gpt_tiny::Batch(step, r * rows, rows);
       autograd::backward(compute.loss(x, y));
       for (std::size_t i = 0; i < mp.size(); ++i) {
+        if (!cp[i].requires_grad()) continue;
         const std::vector<float> g = cp[i].grad().to(DType::bf16).to(DType::f32).to_vector();
         if (r == 0) {
           sum[i] = g;
@@ -97,6 +103,7 @@ inline std::vector<std::vector<float>> Bf16Reference(int steps, const std::funct
     }
     (*opt)->zero_grad();
     for (std::size_t i = 0; i < mp.size(); ++i) {
+      if (!mp[i].requires_grad()) continue;
       for (float& v : sum[i]) v /= static_cast<float>(world);
       mp[i].set_grad(Tensor::from_vector(sum[i], mp[i].shape()).to(DType::bf16).to(DType::f32));
     }
