@@ -77,7 +77,10 @@ int main(int argc, char** argv) {
           ? std::pair{"SLURM_PROCID", "SLURM_NTASKS"}
           : std::pair<const char*, const char*>{nullptr, nullptr};
   const bool under_launcher = rank_var != nullptr;
-  const bool is_rank0 = !under_launcher || std::string(std::getenv(rank_var)) == "0";
+  // The rank as the process group reads it (a number: "00" and "+0" are rank 0 too, so that process keeps rank 0's
+  // duties, the checkpoint directory's lock among them; a value that is not a number fails at init below).
+  int launcher_rank = -1;
+  const bool is_rank0 = !under_launcher || (absl::SimpleAtoi(std::getenv(rank_var), &launcher_rank) && launcher_rank == 0);
   if (o.compare && under_launcher) return fail(absl::InvalidArgumentError("--compare runs ranks as threads; start it without a launcher"));
   if (o.backend == st::Backend::mpi && std::getenv("OMPI_COMM_WORLD_RANK") == nullptr) {
     return fail(absl::InvalidArgumentError(

@@ -120,7 +120,9 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
     if (auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
       value = flag.substr(eq + 1), flag = flag.substr(0, eq), has_inline = true;
     }
+    bool consumed = false;  // the inline value was read
     auto next = [&]() -> absl::StatusOr<std::string> {
+      consumed = true;
       if (has_inline) return value;
       if (i + 1 >= args.size()) return absl::InvalidArgumentError(absl::StrCat("expected a value after ", flag, ", found none"));
       return args[++i];
@@ -254,6 +256,11 @@ absl::StatusOr<Options> parse_options(const std::vector<std::string>& args) {
       return absl::InvalidArgumentError(absl::StrCat("unknown option '", flag, "' (see --help)"));
     }
     if (!st.ok()) return st;
+    // A flag that takes no value refuses one: --overwrite=no used to switch --overwrite on (a helper's audit).
+    if (has_inline && !consumed) {
+      return absl::InvalidArgumentError(absl::StrCat("expected no value after ", flag, " (it takes none), found '=",
+                                                     value, "'"));
+    }
   }
   if (auto m = model_size(o.model, o.shape); !m.ok()) return m.status();
   if (o.resume && o.checkpoint_dir.empty()) {
