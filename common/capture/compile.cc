@@ -82,6 +82,7 @@ absl::Status CompiledStep::capture(const std::vector<Tensor>& batch, std::string
   }
   RecorderOptions ro{.batch = batch, .dry_run = true};
   for (const auto& [name, p] : module_.named_parameters()) ro.state.push_back({absl::StrCat("param.", name), p});
+  for (const auto& [name, b] : module_.named_buffers()) ro.state.push_back({absl::StrCat("buffer.", name), b});
   // Note [gradients kept between steps]
   // A replay's gradients are values of the step, not the parameters' .grad, so a gradient kept from before the step
   // (zero_grad(set_to_none = false)) cannot be read as it is. Kept all zeros (what zero_grad(false) ending the step

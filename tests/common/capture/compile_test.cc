@@ -232,6 +232,39 @@ TEST(Compile, ClippingInTheStepIsReplayed) {
   ReplayEqualsEager(clipped, 5);
 }
 
+// A buffer the step reads (not written) is an input of the graph like a parameter: the replay reads its live bytes,
+// so a value written into it between calls is seen (as eagerly).
+TEST(Compile, ABufferTheStepReadsIsAnInputAndItsNewValuesAreSeen) {
+  RankContext ctx;
+  RankContextScope scope(ctx);
+  auto weighted = [](Trainer& t) {
+    t.model.register_buffer("loss_weight", Tensor::full({}, 0.75));
+    return [&t](const std::vector<Tensor>& b) {
+      Tensor loss = autograd::mul(t.model.loss(b[0], b[1]), t.model.buffer("loss_weight"));
+      autograd::backward(loss);
+      EXPECT_TRUE(t.opt->step().ok());
+      t.opt->zero_grad();
+      return loss;
+    };
+  };
+  Trainer eager, c;
+  const StepFn eager_step = weighted(eager);
+  CompiledStep compiled = compile(weighted(c), c.model, *c.opt);
+  for (int s = 0; s < 4; ++s) {
+    if (s == 2) {  // written in place between calls, on both
+      eager.model.buffer("loss_weight").fill_(0.25);
+      c.model.buffer("loss_weight").fill_(0.25);
+    }
+    const std::vector<Tensor> batch = Batch(s);
+    const float want = static_cast<float>(eager_step(batch).item());
+    absl::StatusOr<Tensor> got = compiled(batch);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(static_cast<float>(got->item()), want) << "step " << s;
+  }
+  EXPECT_EQ(gpt_tiny::Values(c.model), gpt_tiny::Values(eager.model));
+  EXPECT_EQ(compiled.captures(), 1);
+}
+
 TEST(Compile, AnInPlaceWriteOutsideAnyOpFailsTheCaptureNamingIt) {
   RankContext ctx;
   RankContextScope scope(ctx);
