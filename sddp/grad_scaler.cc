@@ -3,6 +3,7 @@
 #include "common/autograd/ops.h"
 #include "common/comm/host_staged.h"
 #include "common/optim/finite.h"
+#include "common/tensor/trace_hook.h"
 
 namespace shardkit::sddp {
 
@@ -13,6 +14,12 @@ Tensor ShardedGradScaler::scale(const Tensor& loss) const { return autograd::sca
 
 absl::StatusOr<bool> ShardedGradScaler::unscale(absl::Span<const Tensor> grads) {
   if (unscaled_) return found_inf_;
+  // Not capturable: the unscale writes the gradients through raw pointers, and the skip-or-step choice is the
+  // host's; a compiled step (capture::compile) would replay neither and silently step scaled gradients (a
+  // helper's audit, tests/common/capture/compile_combo2_test.cc). The capture fails naming it.
+  if (trace::Tracer* t = trace::active_tracer()) {
+    t->on_unsupported("sddp::ShardedGradScaler (unscales gradients in place and chooses to skip the step on the host)");
+  }
   const float inv = static_cast<float>(1.0 / scale_);
   bool bad = false;
   for (const Tensor& g : grads) {

@@ -20,6 +20,8 @@
 // replicate group does NOT: a column of ranks whose rows did not overflow would step while the others skip, and the
 // replicas drift apart with no error (tests/fsdp/fsdp_scaler_combo6_test.cc).
 //
+// Not inside a compiled step (capture::compile): the capture fails naming it.
+//
 // Thread-safety: none; one scaler belongs to one rank. unscale()/step() are collectives over the group.
 #pragma once
 

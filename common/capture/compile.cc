@@ -124,6 +124,17 @@ absl::Status CompiledStep::capture(const std::vector<Tensor>& batch, std::string
       Generator saved = current_rank_context().generator;
       ~GeneratorKept() { current_rank_context().generator = saved; }
     } generator_kept;
+    // And the module's buffers: a step that writes one (batch_norm's running statistics) is refused, but its dry
+    // run wrote them already (a helper's audit, compile_combo2_test); they are put back, whatever the outcome.
+    struct BuffersKept {
+      std::vector<std::pair<Tensor, Tensor>> saved;  // (buffer, copy)
+      ~BuffersKept() {
+        for (auto& [b, copy] : saved) b.copy_(copy);
+      }
+    } buffers_kept;
+    for (const auto& [name, b] : module_.named_buffers()) {
+      if (b.defined() && b.nbytes() > 0 && !b.storage_released()) buffers_kept.saved.emplace_back(b, b.clone());
+    }
     trace::TracerScope scope(&recorder);
     for (const auto& [name, g] : kept_zero) {  // Note [gradients kept between steps]
       trace::OpTraceScope op;
