@@ -3,6 +3,7 @@
 #include <cmath>
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "common/optim/clip_grad.h"
 #include "fsdp/fully_shard.h"
 #include "oss/sharded_grad_norm.h"
@@ -12,6 +13,9 @@ namespace shardkit::fsdp {
 absl::StatusOr<double> clip_grad_norm(nn::Module& root, double max_norm, double norm_type) {
   auto unit = state_of(root);
   if (!unit.ok()) return unit.status();
+  if (!(max_norm > 0)) {  // zero, negative or NaN would zero, negate or NaN every gradient
+    return absl::InvalidArgumentError(absl::StrCat("fsdp::clip_grad_norm: expected max_norm > 0, found ", max_norm));
+  }
   std::vector<Tensor> shards, whole;
   std::set<const TensorImpl*> sharded_ids;
   for (const ShardedTensor& t : sharded_parameters(root)) shards.push_back(t.local), sharded_ids.insert(t.local.id());

@@ -10,6 +10,13 @@
 namespace shardkit::fsdp {
 namespace {
 
+// Marks a module inside a unit that is not a unit itself (Note [bottom-up calls]).
+inline constexpr const char* kInsideUnit = "fsdp.inside_unit";
+struct InsideUnit : nn::Module::Attachment {
+  explicit InsideUnit(std::string type) : unit_type(std::move(type)) {}
+  std::string unit_type;
+};
+
 std::string join_name(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
 }
@@ -89,6 +96,12 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
     return absl::FailedPreconditionError(absl::StrCat("fully_shard: this ", module.type_name(),
                                                       " is already sharded; expected one fully_shard call per module"));
   }
+  if (const auto* owner = dynamic_cast<const InsideUnit*>(module.attachment(kInsideUnit))) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fully_shard: this ", module.type_name(), " is inside the ", owner->unit_type,
+        " that fully_shard already sharded (its parameters are that unit's shards); expected the calls bottom-up, "
+        "the submodules before the module that holds them"));
+  }
   if (group == nullptr) return absl::InvalidArgumentError("fully_shard: expected a process group, found none");
   int reshard_group = 0;  // Note [reshard to a k-group] in param_group.h
   if (options.reshard_after_forward && std::holds_alternative<int>(*options.reshard_after_forward)) {
@@ -131,6 +144,14 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   // parameter shared with a sibling unit, is then refused by that unit's fully_shard instead of silently untied).
   for (const Tensor& t : originals) {
     if (t.offset_bytes() == 0 && t.storage()->nbytes() == t.nbytes() && !t.storage_released()) t.release_storage();
+  }
+  // Note [bottom-up calls]: the modules this unit took parameters of refuse a later fully_shard (their parameters
+  // are this unit's shards now; sharding them again died in a shape check at the next forward: a helper's audit,
+  // tests/fsdp/fsdp_misuse_test.cc).
+  for (const auto& [name, m] : module.named_modules()) {
+    if (m != &module && state_attached(*m) == nullptr && m->attachment(kInsideUnit) == nullptr) {
+      m->set_attachment(kInsideUnit, std::make_shared<InsideUnit>(module.type_name()));
+    }
   }
   auto state = std::make_shared<FSDPState>(module, std::move(group), std::move(options), std::move(pg));
   module.set_attachment(kFsdpAttachment, std::move(state));

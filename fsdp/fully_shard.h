@@ -33,13 +33,17 @@
 // Rules (each breach is a Status from fully_shard, or an FsdpError from the forward that finds it):
 //   * call bottom-up, each module at most once; a container without a forward of its own (ModuleList) cannot be a
 //     unit (shard the modules it holds, or the module that calls them);
-//   * every rank builds the same model (same seed) before sharding: each rank keeps its rows of its own copy;
+//   * every rank builds the same model (same seed) before sharding: each rank keeps its rows of its own copy (NOT
+//     checked: copies built with other values train silently as a mixed model; fsdp_misuse_test keeps a skipped
+//     test for it);
 //   * a parameter used by two units belongs to their common ancestor (fsdp::auto_shard assigns it, see
 //     fsdp/wrap_policy.h; with manual calls, name it in FullyShardOptions::leave_to_ancestor of the lower calls, or
 //     shard the ancestor instead of one of them: a parameter another unit already took is refused);
 //   * the first forward goes through the root (the outermost sharded module); a sharded module that runs inside
 //     the root's forward must be under the root;
-//   * every rank runs the same units in forward (parameters unused inside a unit are fine);
+//   * every rank runs the same units in forward (parameters unused inside a unit are fine): units of other sizes
+//     fail on every rank ("ranks disagree on collective"), but two units of the same size on two ranks are NOT
+//     told apart (the all-gathers carry no unit identity; a skipped test in fsdp_misuse_test);
 //   * frozen parameters (requires_grad false) are sharded like the others, whether frozen before or after the
 //     call (as FSDP2): their shards carry requires_grad, get no gradient and no update while frozen, and may be
 //     unfrozen or frozen at rest between steps, the same on every rank. A reduce moves the gradients of the
@@ -110,7 +114,8 @@ class FSDPModule {
   // false: the final callback of the next backwards keeps every unit as it is (unsharded units stay unsharded)
   // until a backward with true; for accumulation loops that step only after the last backward.
   void set_is_last_backward(bool last);
-  // Gradients are summed over ranks and divided by `factor` (default: the world size, an average).
+  // Gradients are summed over ranks and divided by `factor` (default: the world size, an average). A factor that is
+  // not finite and > 0 fails the next backward's reduce with InvalidArgument on every rank.
   void set_reduce_scatter_divide_factor(double factor, bool recurse = true);
   // HSDP only (a unit on a 2-D mesh): false keeps each backward's reduce-scattered gradients on this rank without
   // the all-reduce across replicas; the next backward with true all-reduces them together with its own (gradient

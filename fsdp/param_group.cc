@@ -1,6 +1,7 @@
 #include "fsdp/param_group.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
@@ -382,6 +383,10 @@ absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {
 
 absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor, bool all_reduce_replicas) {
   if (absl::Status st = finish_reduce_grads(); !st.ok()) return st;
+  if (divide_factor && !(std::isfinite(*divide_factor) && *divide_factor > 0)) {  // before any collective
+    return absl::InvalidArgumentError(absl::StrCat("fsdp: expected set_reduce_scatter_divide_factor's factor finite "
+                                                   "and > 0, found ", *divide_factor, " (unit ", name_, ")"));
+  }
   const int world = pg_->size();
   const bool own = own_reduce();  // Note [own collectives]
   PendingReduce pending;

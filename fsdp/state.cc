@@ -265,6 +265,7 @@ void FSDPState::pre_forward(const TensorList& inputs) {
   if (is_root() && !recompute) {
     // A backward that ended without its final callback (a hook threw): start clean.
     if (ctx_->in_backward && !autograd::is_backward_running()) reset_backward_state();
+    if (state_ == TrainingState::forward) reset_forward_state();  // Note [a forward that threw]
     ++ctx_->forwards;
     for (FSDPState* s : ctx_->states) {
       std::erase_if(s->backward_hooks_, [&](const BackwardHook& h) { return h.forward <= ctx_->forwards - kPendingForwards; });
@@ -397,6 +398,26 @@ void FSDPState::finalize_backward() {
     s->state_ = TrainingState::idle;
   }
   ctx_->in_backward = false;  // (pending hooks stay: Note [pending pre-backward hooks])
+}
+
+// Note [a forward that threw]
+// A forward that ends by an exception (a module's forward or a hook threw) skips the post-forward hooks of the
+// units it was inside: they stay in training state forward, possibly gathered, and every later forward was refused
+// ("expected idle"; a helper's audit, tests/fsdp/fsdp_misuse_test.cc). The root's next forward finds itself in state
+// forward, which only such an end leaves, and puts every unit back to idle and resharded (the next forward gathers
+// what it needs; a backward through the failed forward's outputs is not possible, they were never returned).
+void FSDPState::reset_forward_state() {
+  for (FSDPState* s : ctx_->states) {
+    if (s->state_ != TrainingState::forward) continue;
+    s->state_ = TrainingState::idle;
+    s->reshard_unit();
+  }
+  for (FSDPState* s : std::vector<FSDPState*>(ctx_->prefetched)) {
+    if (s->state_ == TrainingState::idle) s->reshard_unit();
+  }
+  ctx_->prefetched.clear();
+  ctx_->unit_outputs.clear();
+  t_forward_root = nullptr;
 }
 
 void FSDPState::reset_backward_state() {

@@ -157,6 +157,7 @@ class FSDPState : public nn::Module::Attachment {
   void post_backward();
   void ensure_final_callback();
   void finalize_backward();
+  void reset_forward_state();  // Note [a forward that threw]
   void reset_backward_state();
   void in_hook(const std::function<void()>& body);
   void require_state(TrainingState wanted, const char* call) const;

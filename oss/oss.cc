@@ -313,6 +313,9 @@ absl::Status Oss::step() {
 }
 
 absl::StatusOr<double> Oss::clip_grad_norm(double max_norm, double norm_type) {
+  if (!(max_norm > 0)) {  // zero, negative or NaN would zero, negate or NaN every gradient (as fsdp::clip_grad_norm)
+    return absl::InvalidArgumentError(absl::StrCat("Oss::clip_grad_norm: expected max_norm > 0, found ", max_norm));
+  }
   // The gradients the next step() uses: the shards' (views of the parameters' gradients, or the slices
   // handed over with set_piece_grad by ShardedDataParallel, whose full gradients are released).
   attach_shard_grads();

@@ -174,6 +174,7 @@ class Oss {
   // Total gradient norm over the whole model (2 or inf) computed from each rank's owned part: local partial
   // norms in fp32/double, one all_reduce (sum; max for inf). Scales every gradient this rank holds by
   // min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping, identical on every rank. Collective.
+  // InvalidArgument (before any collective) for max_norm <= 0 or NaN.
   absl::StatusOr<double> clip_grad_norm(double max_norm, double norm_type = 2.0);
 
   // ---- state ----

@@ -90,6 +90,22 @@ TEST(OssClipTest, RejectsOtherNorms) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// max_norm <= 0 or NaN would zero, negate or NaN every gradient: refused, the gradients untouched.
+TEST(OssClipTest, RejectsAMaxNormThatIsNotPositive) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) {
+    std::vector<Tensor> params = ParamsWithGrads(DType::f32);
+    auto oss = Oss::create({{params, {}}}, optim::AdamW::factory(), env.group_ptr);
+    const std::vector<float> before = params[0].grad().to_vector();
+    for (const double m : {0.0, -1.0, std::numeric_limits<double>::quiet_NaN()}) {
+      const absl::Status s = (*oss)->clip_grad_norm(m).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "max_norm " << m;
+      EXPECT_NE(std::string(s.message()).find("expected max_norm > 0"), std::string::npos) << s;
+    }
+    EXPECT_EQ(params[0].grad().to_vector(), before);
+  });
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 // Per-rank optimizer-state bytes are exactly 8 per owned element (fp32 AdamW: m and v), 12 with bf16
 // parameters (+ fp32 master); printed against the ZeRO-1 formula 8Ψ/N (12Ψ/N).
 class OssLedger : public ::testing::TestWithParam<std::tuple<DType, PartitionPolicy>> {};
