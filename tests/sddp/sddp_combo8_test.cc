@@ -53,30 +53,10 @@ using two_head::HeadInput;
 
 using Params = std::vector<std::vector<float>>;
 
-// A trunk and two heads; head b's loss term is in the loss only while use_b, multiplied by b_factor.
-class MpNet : public nn::Module {
- public:
-  MpNet() : Module("MpNet") {
-    Generator gen(17, 0);
-    trunk = register_module("trunk", std::make_shared<nn::Linear>(4, 8, gen));
-    a = register_module("a", std::make_shared<nn::Linear>(8, 3, gen));
-    b = register_module("b", std::make_shared<nn::Linear>(8, 5, gen));
-  }
-  bool use_b = true;
-  float b_factor = 1.0f;
-  std::shared_ptr<nn::Linear> trunk, a, b;
-
- protected:
-  Tensor forward(const Tensor& x) override {
-    const Tensor h = autograd::relu((*trunk)(x));
-    const Tensor ya = (*a)(h);
-    Tensor loss = autograd::mean(autograd::mul(ya, ya));
-    if (use_b) {
-      const Tensor yb = (*b)(h);
-      loss = autograd::add(loss, autograd::scale(autograd::mean(autograd::mul(yb, yb)), b_factor));
-    }
-    return loss;
-  }
+// A trunk and two heads (two_head::TwoHeadNet, seed 17); head b's loss term is in the loss only while use_b,
+// multiplied by b_factor.
+struct MpNet : two_head::TwoHeadNet {
+  MpNet() : TwoHeadNet(17) {}
 };
 
 constexpr int kSteps = 5;

@@ -24,6 +24,7 @@ class TwoHeadNet : public nn::Module {
     b = register_module("b", std::make_shared<nn::Linear>(8, 5, gen));
   }
   bool use_b = true;
+  float b_factor = 1.0f;  // head b's loss term is multiplied by it (not at all when 1)
   std::shared_ptr<nn::Linear> trunk, a, b;
 
  protected:
@@ -34,7 +35,9 @@ class TwoHeadNet : public nn::Module {
     Tensor loss = autograd::mean(autograd::mul(ya, ya));
     if (use_b) {
       const Tensor yb = (*b)(h);
-      loss = autograd::add(loss, autograd::mean(autograd::mul(yb, yb)));
+      Tensor lb = autograd::mean(autograd::mul(yb, yb));
+      if (b_factor != 1.0f) lb = autograd::scale(lb, b_factor);
+      loss = autograd::add(loss, lb);
     }
     return loss;
   }
