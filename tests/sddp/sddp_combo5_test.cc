@@ -82,14 +82,7 @@ TEST_P(ReplicateModeCheckpoint, CompiledCheckpointedStepsTrainAsOnOneRank) {
   });
   ASSERT_TRUE(st.ok()) << st;
   test_util::ExpectMatches(compiled_values, want, 2e-5);
-  for (int r = 0; r < world; ++r) {
-    const auto i = static_cast<std::size_t>(r);
-    EXPECT_EQ(compiled_losses[i], eager_losses[i]) << "rank " << r;
-    ASSERT_EQ(compiled_values[i].size(), eager_values[i].size());
-    for (std::size_t p = 0; p < compiled_values[i].size(); ++p) {
-      EXPECT_TRUE(compiled_values[i][p] == eager_values[i][p]) << "rank " << r << " parameter " << p;
-    }
-  }
+  gpt_tiny::ExpectBitwiseEqualRuns(compiled_losses, eager_losses, compiled_values, eager_values);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ReplicateModeCheckpoint,

@@ -88,4 +88,18 @@ inline void ExpectMatches(const std::vector<std::vector<std::vector<float>>>& go
   }
 }
 
+// Each rank's compiled run equals its eager run bit for bit: every loss and every parameter.
+inline void ExpectBitwiseEqualRuns(const std::vector<std::vector<float>>& compiled_losses,
+                                   const std::vector<std::vector<float>>& eager_losses,
+                                   const std::vector<std::vector<std::vector<float>>>& compiled_values,
+                                   const std::vector<std::vector<std::vector<float>>>& eager_values) {
+  for (std::size_t r = 0; r < compiled_values.size(); ++r) {
+    EXPECT_EQ(compiled_losses[r], eager_losses[r]) << "rank " << r;
+    ASSERT_EQ(compiled_values[r].size(), eager_values[r].size());
+    for (std::size_t p = 0; p < compiled_values[r].size(); ++p) {
+      EXPECT_TRUE(compiled_values[r][p] == eager_values[r][p]) << "rank " << r << " parameter " << p;
+    }
+  }
+}
+
 }  // namespace shardkit::gpt_tiny
