@@ -114,9 +114,10 @@ TEST(FsdpMisuse, SummonNestedAndReshardRepeatedThenTrainsAsClean) {
 // summon / reshard / unshard inside a forward or a backward: FailedPrecondition naming the state, the same on
 // every rank (nothing is communicated), and the step that saw them ends as a clean one.
 TEST(FsdpMisuse, SummonReshardAndUnshardInsideAPassAreRefused) {
-  std::vector<autograd::HookHandle> hooks;
+  std::vector<std::vector<autograd::HookHandle>> hooks_of(2);  // per rank: the ranks are threads
   std::vector<std::vector<absl::Status>> seen(2);
   const Values3 got = Train(3, [&](nn::GPT& model, comm::RankEnv& env, int step) {
+    auto& hooks = hooks_of[static_cast<std::size_t>(env.rank)];
     if (step == 1) {
       hooks.clear();
       return;
