@@ -25,10 +25,11 @@ struct RankContext {
   Generator generator;
   // CUDA fp32 GEMMs may round their operands to TF32 / bf16 on tensor cores (Note [matmul precision]).
   MatmulPrecision matmul_precision = MatmulPrecision::highest;
-  // CUDA causal attention at matmul precision medium runs as one fused kernel each way where the device allows
-  // (Note [flash attention] in common/kernels/cuda/flash_attention.cu); false keeps the materialised path there
-  // (to compare the two, as torch.backends.cuda.enable_flash_sdp(False) does).
-  bool fused_attention = true;
+  // true: CUDA causal attention at matmul precision medium runs as one fused kernel each way where the device
+  // allows (Note [flash attention] in common/kernels/cuda/flash_attention.cu). Off by default: on an H200 (stop 36,
+  // model_bench_cuda gpt2-small/medium against medium-fused) the fused kernels took 35.4 ms a GPT-2 small step
+  // against the materialised path's 29.4 ms; they save the T x T scores' memory, not yet time.
+  bool fused_attention = false;
 };
 
 // Which random stream each rank of a world draws from (dropout, random init, sampling): per_rank gives rank r

@@ -12,7 +12,7 @@
 #        run(command="bash gpu-pack/run.sh", carry=["gpu-pack"])
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-targets=(tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test fsdp_cuda_test optim_test oss_test comm_nccl_test optim_bench_cuda model_bench_cuda)
+targets=(tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test fsdp_cuda_test optim_test oss_test comm_nccl_test fsdp_combo4_test sddp_combo4_test fsdp_combo7_cuda_test optim_bench_cuda model_bench_cuda)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHARDKIT_NATIVE=OFF -DSHARDKIT_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 > /dev/null
 cmake --build build-gpu -j"$(nproc)" --target "${targets[@]}"

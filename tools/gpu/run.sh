@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the pack tools/gpu/pack.sh made: the CUDA tests (every test whose name says
 # Cuda / Nccl / DeviceOnly; without a GPU they skip, here they must pass), optim_bench_cuda, model_bench_cuda at
-# medium with the fused and the materialised attention, bench/gpt2_vs_torch.py (GPT-2 small against PyTorch eager),
+# medium with the materialised (default) and the fused attention, bench/gpt2_vs_torch.py (GPT-2 small against PyTorch eager),
 # then Nsight Compute's per-kernel times of one medium-precision step. Results go to $OUT (the device tool brings
 # them back): summary.txt with each exit status, and results.tar.gz with one file per binary, the kernel times and
 # the machine's description.
@@ -32,30 +32,32 @@ export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # recorded as not run).
 deadline=$((SECONDS + ${SHARDKIT_GPU_RUN_S:-560}))
 limit() { local left=$((deadline - SECONDS)); (( left < $1 )) && echo "$left" || echo "$1"; }
-for t in tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test fsdp_cuda_test optim_test oss_test comm_nccl_test; do
+for t in tensor_test kernels_test autograd_cuda_ops_test comm_in_process_cuda_test sddp_gpt_test fsdp_cuda_test optim_test oss_test comm_nccl_test fsdp_combo4_test sddp_combo4_test fsdp_combo7_cuda_test; do
   (( $(limit 120) > 0 )) || { echo "$t not run: out of time" >> "$out/summary.txt"; continue; }
+  started=$SECONDS
   timeout "$(limit 120)" "$here/bin/$t" --gtest_filter='*Cuda*:*cuda*:*Nccl*:*DeviceOnly*' > "$out/$t.txt" 2>&1
   rc=$?
-  echo "$t exit $rc: $(grep -E '^\[  (PASSED  |FAILED  |SKIPPED )\] [0-9]+ test' "$out/$t.txt" | tr '\n' ' ')" >> "$out/summary.txt"
+  echo "$t exit $rc in $((SECONDS - started)) s: $(grep -E '^\[  (PASSED  |FAILED  |SKIPPED )\] [0-9]+ test' "$out/$t.txt" | tr '\n' ' ')" >> "$out/summary.txt"
 done
+# The materialised attention (the default) against the fused one (Note [flash attention]), both at matmul precision
+# medium.
+if (( $(limit 120) > 0 )); then
+  timeout "$(limit 120)" "$here/bin/model_bench_cuda" --benchmark_filter='gpt2-small/medium' \
+    > "$out/model_bench_cuda_medium.txt" 2>&1
+  echo "model_bench_cuda medium, materialised / fused attention exit $?: $(grep -oE 'tokens_per_s=[0-9.]+k?' \
+    "$out/model_bench_cuda_medium.txt" | tr '\n' ' ')" >> "$out/summary.txt"
+else
+  echo "model_bench_cuda medium not run: out of time" >> "$out/summary.txt"
+fi
 if (( $(limit 120) > 0 )); then
   timeout "$(limit 120)" "$here/bin/optim_bench_cuda" > "$out/optim_bench_cuda.txt" 2>&1
   echo "optim_bench_cuda exit $?" >> "$out/summary.txt"
 else
   echo "optim_bench_cuda not run: out of time" >> "$out/summary.txt"
 fi
-# The fused attention (Note [flash attention]) against the materialised one, both at matmul precision medium.
-if (( $(limit 120) > 0 )); then
-  timeout "$(limit 120)" "$here/bin/model_bench_cuda" --benchmark_filter='gpt2-small/medium' \
-    > "$out/model_bench_cuda_medium.txt" 2>&1
-  echo "model_bench_cuda medium, fused / materialised attention exit $?: $(grep -oE 'tokens_per_s=[0-9.]+k?' \
-    "$out/model_bench_cuda_medium.txt" | tr '\n' ' ')" >> "$out/summary.txt"
-else
-  echo "model_bench_cuda medium not run: out of time" >> "$out/summary.txt"
-fi
 # GPT-2 small step against PyTorch eager (fp32 both; shardkit at matmul precision medium against PyTorch under bf16
 # autocast, the issue's goal line, and against PyTorch fp32 at matmul precision medium, the same GEMM semantics).
-for dtype in fp32 bf16 fp32-medium; do
+for dtype in bf16 fp32-medium fp32; do  # the issue's goal line first: the later ones may run out of time
   (( $(limit 150) > 0 )) || { echo "gpt2_vs_torch $dtype not run: out of time" >> "$out/summary.txt"; continue; }
   profile=()
   [[ $dtype == bf16 ]] && profile=(--profile)  # PyTorch's kernel table, beside ncu's of shardkit below
@@ -72,6 +74,7 @@ if command -v ncu > /dev/null && (( $(limit 150) > 60 )); then
   python3 "$here/kernel_times.py" "$out/ncu.csv" > "$out/kernel_times.txt" 2>&1
   head -40 "$out/kernel_times.txt"
 fi
+echo "run.sh: $SECONDS s in all" >> "$out/summary.txt"
 cat "$out/summary.txt"
 grep -hE '^\[  FAILED  \]|^BM_' "$out"/*.txt | head -60
 # The device tool brings back at most 8 files: everything but the summary travels as one archive.

@@ -23,6 +23,10 @@ bool medium_gemm_runs_on_bf16_copies(std::int64_t m, std::int64_t n, std::int64_
   return medium_gemm_uses_bf16(m, n) && round_up_to_pad(std::max({m, n, k})) <= std::numeric_limits<int>::max();
 }
 
+bool attention_runs_on_softmax_copies(std::int64_t t, std::int64_t hs) {
+  return t >= 1 && hs >= 1 && !medium_gemm_runs_on_bf16_copies(t, hs, t) && medium_gemm_runs_on_bf16_copies(t, t, hs);
+}
+
 Bf16GemmPlan plan_bf16_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                             std::int64_t lda, std::int64_t stride_a, std::int64_t ldb, std::int64_t stride_b,
                             std::int64_t ldc, std::int64_t stride_c, std::int64_t batches, bool c_aligned) {
@@ -31,7 +35,8 @@ Bf16GemmPlan plan_bf16_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int
   p.b = trans_b ? pack_shape(n, k, ldb, stride_b, batches) : pack_shape(k, n, ldb, stride_b, batches);
   p.k = round_up_to_pad(k);
   p.staged = !c_aligned || ldc % 4 != 0 || (batches > 1 && stride_c % 4 != 0);
-  p.ldc = p.staged ? (n + 3) / 4 * 4 : ldc;
+  p.n = p.staged ? round_up_to_pad(n) : n;  // the B copy's padding holds the extra columns (zeros)
+  p.ldc = p.staged ? p.n : ldc;
   p.stride_c = p.staged ? m * p.ldc : (batches > 1 ? stride_c : 0);
   return p;
 }

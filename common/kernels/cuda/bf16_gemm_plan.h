@@ -13,6 +13,10 @@
 // which leave every fp32 sum unchanged), and when C's rows are not 16-byte aligned the product goes to a staging
 // buffer with aligned rows and is copied into C afterwards (C copied in first when beta != 0). That buffer is as
 // large as C (1.6 GB for GPT-2's logits at B T = 8192) and, like the copies, scratch outside the memory ledger.
+// Aligned rows alone are not enough: cuBLAS also wants C's contiguous extent, n, a multiple of 8. On the H200 (stop
+// 36) the forward logits GEMM, staged with rows of 50260, still ran an alignment-1 kernel (3.3 ms of a 35 ms step).
+// So a staged product runs over n padded to a multiple of 8 as well: the B copy already holds those columns (zeros),
+// the staging rows hold them, and only the first n are copied back.
 #pragma once
 
 #include <cstdint>
@@ -71,6 +75,13 @@ SK_HOST_DEVICE inline std::int64_t packed_bf16_numel(std::int64_t rows, std::int
 // common/autograd/ops/linalg.cc). A pure function.
 bool medium_gemm_runs_on_bf16_copies(std::int64_t m, std::int64_t n, std::int64_t k);
 
+// Whether causal attention's materialised path at "medium" runs its head-wide products (Y = P V, dQ = scale dS K,
+// dK = scale dS^T Q: m = k = t, n = hs) on the bf16 copies of P and dS that its softmax kernels write (Note [softmax
+// writes the bf16 copy] in common/autograd/ops/attention.cc): where those products would otherwise run as "high"
+// (copying the t x t operand would not pay) while the t x t products (S = scale Q K^T, dP = dY V^T) run on bf16.
+// A pure function.
+bool attention_runs_on_softmax_copies(std::int64_t t, std::int64_t hs);
+
 // Row-major C_b = alpha op(A_b) op(B_b) + beta C_b for b < batches (op(A) [m, k], op(B) [k, n], C [m, n] with
 // leading dimension ldc, matrices stride_c apart) on the copies, as the column-major cuBLAS call makes it (Note
 // [row-major through column-major cuBLAS] in gemm.cu: the operands swapped, dimensions (n, m, k)).
@@ -78,6 +89,7 @@ struct Bf16GemmPlan {
   PackShape a, b;               // the copies of A and B (as stored: A is m x k, or k x m when transposed)
   std::int64_t k = 0;           // the product's inner size, padded
   bool staged = false;          // C's rows are not 16-byte aligned: the product goes to a staging buffer first
+  std::int64_t n = 0;           // the product's columns as cuBLAS makes them: padded to 8 when staged, else n
   std::int64_t ldc = 0, stride_c = 0;  // of C, or of the staging buffer when staged (row-major, m x ldc each)
 };
 

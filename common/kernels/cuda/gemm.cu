@@ -228,13 +228,13 @@ cublasStatus_t GemmOnPackedCopies(cublasHandle_t h, const Bf16GemmPlan& plan, bo
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasStatus_t s;
   if (batches == 1) {
-    s = api.gemm_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k), &alpha,
+    s = api.gemm_ex(h, op_b, op_a, static_cast<int>(plan.n), static_cast<int>(m), static_cast<int>(plan.k), &alpha,
                     b16, CUDA_R_16BF, static_cast<int>(plan.b.pad_cols), a16, CUDA_R_16BF,
                     static_cast<int>(plan.a.pad_cols), &beta, out, CUDA_R_32F, static_cast<int>(plan.ldc),
                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   } else {
-    s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(n), static_cast<int>(m), static_cast<int>(plan.k),
-                                    &alpha, b16, CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
+    s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(plan.n), static_cast<int>(m),
+                                    static_cast<int>(plan.k), &alpha, b16, CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
                                     plan.b.copy_stride(), a16, CUDA_R_16BF,
                                     static_cast<int>(plan.a.pad_cols), plan.a.copy_stride(), &beta, out, CUDA_R_32F,
                                     static_cast<int>(plan.ldc), plan.stride_c, static_cast<int>(batches),
@@ -342,7 +342,7 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
                                        << matmul_precision_name(precision) << "): " << CublasStatusName(s);
 }
 
-// pack_bf16 and gemm_on_bf16_copies: their arguments are checked by the dispatch (cuda_kernels_dispatch.cc).
+// pack_bf16, gemm_on_bf16_copies and gemm_strided_batched_on_bf16_a: their arguments are checked by the dispatch (cuda_kernels_dispatch.cc).
 void pack_bf16(Device device, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, void* dst) {
   if (rows == 0 || cols == 0) return;
   DeviceGuard guard(device);
@@ -366,6 +366,30 @@ void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t
                          0, 1);
   SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS GEMM on bf16 copies (m=" << m << ", n=" << n << ", k=" << k
                                        << "): " << CublasStatusName(s);
+}
+
+void gemm_strided_batched_on_bf16_a(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                                    std::int64_t k, float alpha, const void* a16, const float* b, std::int64_t ldb,
+                                    std::int64_t stride_b, float beta, float* c, std::int64_t ldc,
+                                    std::int64_t stride_c, std::int64_t batches) {
+  DeviceGuard guard(device);
+  if (alpha == 0.f) {  // as gemm: C = beta C without reading the operands
+    for (std::int64_t i = 0; i < batches; ++i) {
+      ScaleMatrixKernel<<<GridFor(m * n), kThreads, 0, cudaStreamPerThread>>>(c + i * stride_c, m, n, ldc, beta);
+    }
+    CheckLaunch("cuda::gemm_strided_batched_on_bf16_a scale");
+    return;
+  }
+  // A's copy is laid out by A's stored shape alone (its packed matrices one after another), so any lda plans it;
+  // B is copied here, as GemmOnBf16Copies copies it.
+  const Bf16GemmPlan plan = plan_bf16_gemm(trans_a, trans_b, m, n, k, trans_a ? m : k, 0, ldb, stride_b, ldc,
+                                           stride_c, batches, Aligned(c, 16));
+  const PackedCopy b16(b, plan.b);
+  const cublasStatus_t s =
+      GemmOnPackedCopies(HandleOnStream(device.index), plan, trans_a, trans_b, m, n, alpha,
+                         static_cast<const __nv_bfloat16*>(a16), b16.get(), beta, c, ldc, stride_c, batches);
+  SK_CHECK(s == CUBLAS_STATUS_SUCCESS) << "cuBLAS strided batched GEMM on a bf16 A (m=" << m << ", n=" << n
+                                       << ", k=" << k << ", batches=" << batches << "): " << CublasStatusName(s);
 }
 
 std::string cublas_load_error() { return Cublas().error; }

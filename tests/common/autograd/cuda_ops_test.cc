@@ -220,15 +220,16 @@ TEST(CudaOpsTest, CausalAttention) {
                      kTol);
 }
 
-// Matmul precision medium on a device that runs it: attention is one fused kernel each way (Note [flash attention]
-// in common/kernels/cuda/flash_attention.cu), bf16 products with fp32 softmax and sums, so the op follows the fp32
-// CPU op to bf16 accuracy. Row counts on both sides of the 64-row blocks, and head sizes for each tile width (16,
+// Matmul precision medium with RankContext::fused_attention on a device that runs it: attention is one fused kernel
+// each way (Note [flash attention] in common/kernels/cuda/flash_attention.cu), bf16 products with fp32 softmax and
+// sums, so the op follows the fp32 CPU op to bf16 accuracy. Row counts on both sides of the 64-row blocks, and head sizes for each tile width (16,
 // 32, 64, 128) with and without padding columns.
 TEST(CudaOpsTest, FusedAttentionAtMediumPrecisionMatchesTheCpu) {
   SK_REQUIRE_CUDA_DEVICE("fused attention on a GPU");
   if (!kernels::cuda::flash_attention_supported(kGpu, 64)) GTEST_SKIP() << "the fused attention needs sm_80 or newer";
   RankContext ctx;
   ctx.matmul_precision = MatmulPrecision::medium;
+  ctx.fused_attention = true;
   RankContextScope scope(ctx);
   struct Case {
     std::int64_t b, t, heads, hs;

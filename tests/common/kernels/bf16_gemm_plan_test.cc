@@ -67,6 +67,7 @@ void Check(const Case& c) {
   EXPECT_EQ(p.b.pad_cols % kBf16PadTo, 0);
   EXPECT_EQ(p.ldc % 4, 0) << "C's rows 16-byte aligned";
   EXPECT_EQ(p.staged, !c.c_aligned || c.ldc % 4 != 0 || (c.batches > 1 && c.stride_c % 4 != 0));
+  EXPECT_EQ(p.n, p.staged ? (c.n + kBf16PadTo - 1) / kBf16PadTo * kBf16PadTo : c.n) << "staged: n padded to 8";
   const std::vector<float> a16 = Packed(p.a, a), b16 = Packed(p.b, b);
   std::vector<float> got = c0;
   std::vector<float> staging;
@@ -84,10 +85,10 @@ void Check(const Case& c) {
       }
     }
   }
-  // cuBLAS gets (op_b, op_a, n, m, p.k, B copy with ld b.pad_cols, A copy with ld a.pad_cols, out with ld p.ldc),
+  // cuBLAS gets (op_b, op_a, p.n, m, p.k, B copy with ld b.pad_cols, A copy with ld a.pad_cols, out with ld p.ldc),
   // which is this row-major product.
   for (std::int64_t i = 0; i < c.batches; ++i) {
-    gemm(c.ta, c.tb, c.m, c.n, p.k, 1.f, a16.data() + i * p.a.copy_stride(), p.a.pad_cols,
+    gemm(c.ta, c.tb, c.m, p.n, p.k, 1.f, a16.data() + i * p.a.copy_stride(), p.a.pad_cols,
          b16.data() + i * p.b.copy_stride(), p.b.pad_cols, c.beta, out + i * out_stride, p.ldc);
   }
   if (p.staged) {  // copied back, as CopyStaged(..., to_staging = false): n columns of each row
