@@ -26,6 +26,7 @@ constexpr kernels::cuda::CudaKernelOps kKernels{
     .gemm = &kc::gemm,
     .pack_bf16 = &kc::pack_bf16,
     .gemm_on_bf16_copies = &kc::gemm_on_bf16_copies,
+    .gemm_strided_batched_on_bf16_a = &kc::gemm_strided_batched_on_bf16_a,
     .cublas_load_error = &kc::cublas_load_error,
     .sum = &kc::sum,
     .sum_squares = &kc::sum_squares,

@@ -5,6 +5,7 @@
 #include "common/autograd/ops/fast_math.h"
 #include "common/autograd/ops/gemm_timing.h"
 #include "common/autograd/ops/op_utils.h"
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/tensor/rank_context.h"
 
@@ -25,6 +26,21 @@ void CausalSoftmax(float* s, std::int64_t t) {
   }
 }
 
+// Note [softmax writes the bf16 copy]
+// At matmul precision medium, attention's products whose n is the head size (Y = P V, dV = P^T dY, dQ = scale dS K,
+// dK = scale dS^T Q: m = k = T, n = hs) fail medium_gemm_runs_on_bf16_copies: copying the T x T operand to bf16 (a
+// read of 4 T^2 bytes and a write of 2 T^2) costs more than bf16 tensor cores save on 2 T^2 hs flops. So they ran
+// TF32: on an H200 (Nsight Compute), 5.6 ms of a 26.8 ms GPT-2 small training step (T = 1024, hs = 64, 12 heads,
+// fused_attention off). But P and dS are written by our own softmax kernels, which hold each value in a register
+// when they store it: storing its bf16 copy too costs 2 bytes a value and no pass of its own. With that copy only
+// the T x hs operand (V, K or Q) is copied, inside gemm_strided_batched_on_bf16_a, and the product runs on bf16
+// tensor cores with fp32 accumulation: the rounding "medium" applies to every other GEMM of the step. The forward's
+// copy of P lives only until Y = P V is queued (the fp32 P stays the saved activation, as before: keeping the copy
+// as well would hold B H T^2 bf16 more from forward to backward); the backward's copy of dS is per batch element,
+// like dS. dV = P^T dY stays as it is: it would need P re-packed from the saved fp32 P, the pass that did not pay.
+// Which sizes take this path is attention_runs_on_softmax_copies (bf16_gemm_plan.h): where the head-wide products
+// would otherwise run TF32 and the T x T ones (S, dP) already run on bf16.
+
 // Causal attention on a CUDA device (Note [ops on devices]): per batch element, one strided-batched GEMM over the
 // heads for each product, and the causal softmax over all score matrices at once. The scores [B, H, T, T] are
 // materialised and saved for the backward, as on the CPU.
@@ -39,23 +55,38 @@ Tensor AttentionOnDevice(const Tensor& qkv, std::int64_t b_n, std::int64_t t, st
   float* a = att.data<float>();
   // The backward multiplies at the forward's precision (Note [matmul precision]).
   const MatmulPrecision precision = current_rank_context().matmul_precision;
+  // Note [softmax writes the bf16 copy]: the softmax writes P's bf16 copy, and Y = P V runs on it.
+  const bool on_copies = precision == MatmulPrecision::medium && kc::attention_runs_on_softmax_copies(t, hs);
+  const std::int64_t copy_numel = kc::packed_bf16_numel(t, t);  // one matrix's copy
   for (std::int64_t b = 0; b < b_n; ++b) {  // S = scale Q K^T
     const float* q = in + b * t * 3 * c;
     kc::gemm_strided_batched(device, false, true, t, t, hs, scale, q, 3 * c, hs, q + c, 3 * c, hs, 0.f,
                              a + b * num_heads * t * t, t, t * t, num_heads, precision);
   }
-  kc::causal_softmax(device, a, b_n * num_heads, t);
+  const Tensor p16 = on_copies ? detail::new_activation({b_n * num_heads * copy_numel}, DType::bf16, device) : Tensor();
+  kc::causal_softmax(device, a, b_n * num_heads, t, on_copies ? p16.raw_data() : nullptr);
   for (std::int64_t b = 0; b < b_n; ++b) {  // Y = P V
     const float* v = in + b * t * 3 * c + 2 * c;
-    kc::gemm_strided_batched(device, false, false, t, hs, t, 1.f, a + b * num_heads * t * t, t, t * t, v, 3 * c, hs,
-                             0.f, y + b * t * c, c, hs, num_heads, precision);
+    if (on_copies) {
+      kc::gemm_strided_batched_on_bf16_a(device, false, false, t, hs, t, 1.f,
+                                         p16.data<bf16_t>() + b * num_heads * copy_numel, v, 3 * c, hs, 0.f,
+                                         y + b * t * c, c, hs, num_heads);
+    } else {
+      kc::gemm_strided_batched(device, false, false, t, hs, t, 1.f, a + b * num_heads * t * t, t, t * t, v, 3 * c,
+                               hs, 0.f, y + b * t * c, c, hs, num_heads, precision);
+    }
   }
   if (should_record({&qkv})) {
     detail::record("CausalAttentionBackward", {&qkv}, {&out},
-                   [qkv, att, b_n, t, c, num_heads, hs, scale, precision](TensorList&& g) -> TensorList {
+                   [qkv, att, b_n, t, c, num_heads, hs, scale, precision, on_copies,
+                    copy_numel](TensorList&& g) -> TensorList {
                      const Device device = qkv.device();
                      Tensor gqkv = detail::new_activation(qkv.shape(), DType::f32, device);
                      Tensor ds_t = detail::new_activation({num_heads, t, t}, DType::f32, device);
+                     // dS's bf16 copy, for dQ and dK (Note [softmax writes the bf16 copy]).
+                     const Tensor ds16 = on_copies ? detail::new_activation({num_heads * copy_numel}, DType::bf16,
+                                                                            device)
+                                                   : Tensor();
                      const float* in = qkv.data<float>();
                      const float* gy = g[0].data<float>();
                      const float* a = att.data<float>();
@@ -75,11 +106,18 @@ Tensor AttentionOnDevice(const Tensor& qkv, std::int64_t b_n, std::int64_t t, st
                                                 3 * c, hs, num_heads, precision);
                        kc::gemm_strided_batched(device, false, true, t, t, hs, 1.f, dy, c, hs, v, 3 * c, hs, 0.f, ds,
                                                 t, t * t, num_heads, precision);
-                       kc::causal_softmax_backward(device, p, ds, num_heads, t);
-                       kc::gemm_strided_batched(device, false, false, t, hs, t, scale, ds, t, t * t, k, 3 * c, hs, 0.f,
-                                                dq, 3 * c, hs, num_heads, precision);
-                       kc::gemm_strided_batched(device, true, false, t, hs, t, scale, ds, t, t * t, q, 3 * c, hs, 0.f,
-                                                dk, 3 * c, hs, num_heads, precision);
+                       kc::causal_softmax_backward(device, p, ds, num_heads, t, on_copies ? ds16.raw_data() : nullptr);
+                       if (on_copies) {
+                         kc::gemm_strided_batched_on_bf16_a(device, false, false, t, hs, t, scale, ds16.raw_data(), k,
+                                                            3 * c, hs, 0.f, dq, 3 * c, hs, num_heads);
+                         kc::gemm_strided_batched_on_bf16_a(device, true, false, t, hs, t, scale, ds16.raw_data(), q,
+                                                            3 * c, hs, 0.f, dk, 3 * c, hs, num_heads);
+                       } else {
+                         kc::gemm_strided_batched(device, false, false, t, hs, t, scale, ds, t, t * t, k, 3 * c, hs,
+                                                  0.f, dq, 3 * c, hs, num_heads, precision);
+                         kc::gemm_strided_batched(device, true, false, t, hs, t, scale, ds, t, t * t, q, 3 * c, hs,
+                                                  0.f, dk, 3 * c, hs, num_heads, precision);
+                       }
                      }
                      return {gqkv};
                    });

@@ -38,6 +38,16 @@ void pack_bf16(Device device, const float* src, std::int64_t rows, std::int64_t 
 // medium_gemm_runs_on_bf16_copies(m, n, k) (bf16_gemm_plan.h), with m, n, k >= 1; InternalError otherwise.
 void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
                          float alpha, const void* a16, const void* b16, float beta, float* c, std::int64_t ldc);
+// Row-major C_i = alpha op(A_i) op(B_i) + beta C_i for i < batches on bf16 tensor cores with fp32 accumulation, A given
+// as its packed bf16 copy (the `batches` matrices of pack_bf16 of A as stored, m x k or k x m when trans_a, one after
+// another, each packed_bf16_numel apart), B as fp32 (B_i = b + i * stride_b, copied to bf16 here, as
+// gemm_strided_batched at medium copies it) and C as there. Runs on bf16 whatever medium_gemm_runs_on_bf16_copies
+// says: the caller decides (Note [softmax writes the bf16 copy] in common/autograd/ops/attention.cc). m, n, k,
+// batches >= 1 with m, n, k padded to 8 in cuBLAS's int range; InternalError otherwise.
+void gemm_strided_batched_on_bf16_a(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                                    std::int64_t k, float alpha, const void* a16, const float* b, std::int64_t ldb,
+                                    std::int64_t stride_b, float beta, float* c, std::int64_t ldc,
+                                    std::int64_t stride_c, std::int64_t batches);
 
 // Loads cuBLAS if not yet loaded (Note [cuBLAS loaded on first use] in gemm.cu; needs no GPU) and returns
 // why it cannot be used, or "" when it can (without the CUDA component: detail::cuda_unavailable_reason()).
@@ -82,9 +92,13 @@ void layer_norm(Device device, const float* x, const float* w, const float* b, f
 void layer_norm_backward(Device device, const float* x, const float* gy, const float* w, const float* mean,
                          const float* rstd, float* gx, float* gw, float* gb, std::int64_t rows, std::int64_t c);
 // In place over `matrices` [t, t] score matrices: row i becomes the softmax of its columns 0..i, zero after.
-// The backward overwrites dp with dS = P * (dP - rowsum(P * dP)) (zero above the diagonal).
-void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t);
-void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t);
+// The backward overwrites dp with dS = P * (dP - rowsum(P * dP)) (zero above the diagonal). Where out16 is not
+// null, each also writes its result's packed bf16 copy there: `matrices` copies of t x t, packed_bf16_numel(t, t)
+// apart, the bits pack_bf16 of the fp32 result gives (Note [softmax writes the bf16 copy] in
+// common/autograd/ops/attention.cc).
+void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t, void* out16);
+void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t,
+                             void* out16);
 // Row-major C_i = alpha op(A_i) op(B_i) + beta C_i for i < batches, X_i = x + i * stride_x (elements), through
 // cublasSgemmStridedBatched (cublasGemmStridedBatchedEx below MatmulPrecision::highest, as gemm).
 void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
@@ -127,6 +141,8 @@ struct CudaKernelOps {
   decltype(&cuda::gemm) gemm;
   decltype(&cuda::pack_bf16) pack_bf16;
   decltype(&cuda::gemm_on_bf16_copies) gemm_on_bf16_copies;
+  // Defaulted until common/cuda/cuda_component.cc registers it (the dispatch refuses a null entry).
+  decltype(&cuda::gemm_strided_batched_on_bf16_a) gemm_strided_batched_on_bf16_a;
   decltype(&cuda::cublas_load_error) cublas_load_error;
   decltype(&cuda::sum) sum;
   decltype(&cuda::sum_squares) sum_squares;
@@ -168,6 +184,7 @@ namespace cuda_impl {
 decltype(cuda::gemm) gemm;
 decltype(cuda::pack_bf16) pack_bf16;
 decltype(cuda::gemm_on_bf16_copies) gemm_on_bf16_copies;
+decltype(cuda::gemm_strided_batched_on_bf16_a) gemm_strided_batched_on_bf16_a;
 decltype(cuda::cublas_load_error) cublas_load_error;
 decltype(cuda::sum) sum;
 decltype(cuda::sum_squares) sum_squares;

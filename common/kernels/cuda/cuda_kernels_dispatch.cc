@@ -46,6 +46,20 @@ void gemm_on_bf16_copies(Device device, bool trans_a, bool trans_b, std::int64_t
   Ops("cuda::gemm_on_bf16_copies")
       .gemm_on_bf16_copies(device, trans_a, trans_b, m, n, k, alpha, a16, b16, beta, c, ldc);
 }
+void gemm_strided_batched_on_bf16_a(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                                    std::int64_t k, float alpha, const void* a16, const float* b, std::int64_t ldb,
+                                    std::int64_t stride_b, float beta, float* c, std::int64_t ldc,
+                                    std::int64_t stride_c, std::int64_t batches) {
+  constexpr std::int64_t kMax = std::numeric_limits<int>::max();
+  SK_CHECK(m >= 1 && n >= 1 && k >= 1 && batches >= 1 && round_up_to_pad(std::max({m, n, k})) <= kMax &&
+           ldb >= (trans_b ? k : n) && ldb <= kMax && ldc >= n && ldc <= kMax && batches <= kMax &&
+           (batches == 1 || (stride_b >= 0 && stride_c >= 0)))
+      << "cuda::gemm_strided_batched_on_bf16_a: m=" << m << " n=" << n << " k=" << k << " ldb=" << ldb
+      << " stride_b=" << stride_b << " ldc=" << ldc << " stride_c=" << stride_c << " batches=" << batches;
+  Ops("cuda::gemm_strided_batched_on_bf16_a")
+      .gemm_strided_batched_on_bf16_a(device, trans_a, trans_b, m, n, k, alpha, a16, b, ldb, stride_b, beta, c, ldc,
+                                      stride_c, batches);
+}
 std::string cublas_load_error() {
   const CudaKernelOps* ops = g_cuda_kernels.get();
   return ops != nullptr ? ops->cublas_load_error() : detail::cuda_unavailable_reason();
@@ -106,11 +120,12 @@ void layer_norm_backward(Device device, const float* x, const float* gy, const f
                          const float* rstd, float* gx, float* gw, float* gb, std::int64_t rows, std::int64_t c) {
   Ops("cuda::layer_norm_backward").layer_norm_backward(device, x, gy, w, mean, rstd, gx, gw, gb, rows, c);
 }
-void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t) {
-  Ops("cuda::causal_softmax").causal_softmax(device, s, matrices, t);
+void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t, void* out16) {
+  Ops("cuda::causal_softmax").causal_softmax(device, s, matrices, t, out16);
 }
-void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t) {
-  Ops("cuda::causal_softmax_backward").causal_softmax_backward(device, p, dp, matrices, t);
+void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t,
+                             void* out16) {
+  Ops("cuda::causal_softmax_backward").causal_softmax_backward(device, p, dp, matrices, t, out16);
 }
 void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
                           std::int64_t k, float alpha, const float* a, std::int64_t lda, std::int64_t stride_a,

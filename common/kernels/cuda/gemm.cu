@@ -234,7 +234,8 @@ cublasStatus_t GemmOnPackedCopies(cublasHandle_t h, const Bf16GemmPlan& plan, bo
                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   } else {
     s = api.gemm_strided_batched_ex(h, op_b, op_a, static_cast<int>(plan.n), static_cast<int>(m),
-                                    static_cast<int>(plan.k), &alpha, b16, CUDA_R_16BF, static_cast<int>(plan.b.pad_cols),
+                                    static_cast<int>(plan.k), &alpha, b16, CUDA_R_16BF,
+                                    static_cast<int>(plan.b.pad_cols),
                                     plan.b.copy_stride(), a16, CUDA_R_16BF,
                                     static_cast<int>(plan.a.pad_cols), plan.a.copy_stride(), &beta, out, CUDA_R_32F,
                                     static_cast<int>(plan.ldc), plan.stride_c, static_cast<int>(batches),
@@ -342,7 +343,8 @@ void gemm_strided_batched(Device device, bool trans_a, bool trans_b, std::int64_
                                        << matmul_precision_name(precision) << "): " << CublasStatusName(s);
 }
 
-// pack_bf16, gemm_on_bf16_copies and gemm_strided_batched_on_bf16_a: their arguments are checked by the dispatch (cuda_kernels_dispatch.cc).
+// pack_bf16, gemm_on_bf16_copies and gemm_strided_batched_on_bf16_a: their arguments are checked by the dispatch
+// (cuda_kernels_dispatch.cc).
 void pack_bf16(Device device, const float* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, void* dst) {
   if (rows == 0 || cols == 0) return;
   DeviceGuard guard(device);

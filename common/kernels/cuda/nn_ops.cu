@@ -7,11 +7,13 @@
 // adds the partials of each column in chunk order. The result is the same on every run. Only the embedding's
 // backward uses atomics (a token's row gets as many adds as it has occurrences, in no fixed order), as
 // PyTorch's does outside its deterministic mode.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <type_traits>
 
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/cuda/cuda_util.cuh"
 
@@ -188,8 +190,18 @@ __global__ void LayerNormBackwardKernel(const float* x, const float* gy, const f
 // kernels below (the forward's three passes, the backward's two), which longer rows still use. The arithmetic is
 // the streaming kernels', in the same order (each lane sums its columns in increasing order, then the warp), so
 // both give the same bits. On an H200 (stop 32) the streaming kernels took 3.4 ms of a 36 ms GPT-2 small step.
+// Each kernel also writes its result's packed bf16 copy where asked (Note [softmax writes the bf16 copy] in
+// common/autograd/ops/attention.cc): the row's first t elements, rounded as pack_bf16 rounds; the launcher zeroes
+// the copy first when t is not a multiple of 8 (its padding).
+
+// Row `row` (of every matrix's rows, counted together) of the packed bf16 copies at out16, or null when none.
+__device__ __forceinline__ __nv_bfloat16* CopyRow(__nv_bfloat16* out16, std::int64_t row, std::int64_t t) {
+  if (out16 == nullptr) return nullptr;
+  const std::int64_t pad = round_up_to_pad(t);
+  return out16 + (row / t) * pad * pad + (row % t) * pad;
+}
 template <int kPerLane>
-__global__ void CausalSoftmaxRowKernel(float* s, std::int64_t rows_total, std::int64_t t) {
+__global__ void CausalSoftmaxRowKernel(float* s, __nv_bfloat16* out16, std::int64_t rows_total, std::int64_t t) {
   const std::int64_t row = blockIdx.x * static_cast<std::int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows_total) return;
@@ -212,16 +224,23 @@ __global__ void CausalSoftmaxRowKernel(float* s, std::int64_t rows_total, std::i
     sum += v[q];
   }
   const float inv = 1.f / WarpSum(sum);
+  __nv_bfloat16* const o = CopyRow(out16, row, t);
 #pragma unroll
   for (int q = 0; q < kPerLane; ++q) {
     const std::int64_t j = q * 32 + lane;
-    if (j < t) p[j] = j <= i ? v[q] * inv : 0.f;
+    if (j < t) {
+      const float x = j <= i ? v[q] * inv : 0.f;
+      p[j] = x;
+      if (o != nullptr) o[j] = __float2bfloat16_rn(x);
+    }
   }
 }
 
 // At most 128 registers a thread, so two 256-thread blocks fit on an SM (k = 32 took 138 and one block without).
 template <int kPerLane>
-__global__ void __launch_bounds__(kThreads, 2) CausalSoftmaxBackwardRowKernel(const float* p, float* dp, std::int64_t rows_total, std::int64_t t) {
+__global__ void __launch_bounds__(kThreads, 2)
+    CausalSoftmaxBackwardRowKernel(const float* p, float* dp, __nv_bfloat16* out16, std::int64_t rows_total,
+                                   std::int64_t t) {
   const std::int64_t row = blockIdx.x * static_cast<std::int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows_total) return;
@@ -238,15 +257,20 @@ __global__ void __launch_bounds__(kThreads, 2) CausalSoftmaxBackwardRowKernel(co
     if (j <= i) dot += pv[q] * dv[q];
   }
   dot = WarpSum(dot);
+  __nv_bfloat16* const o = CopyRow(out16, row, t);
 #pragma unroll
   for (int q = 0; q < kPerLane; ++q) {
     const std::int64_t j = q * 32 + lane;
-    if (j < t) dr[j] = j <= i ? pv[q] * (dv[q] - dot) : 0.f;
+    if (j < t) {
+      const float x = j <= i ? pv[q] * (dv[q] - dot) : 0.f;
+      dr[j] = x;
+      if (o != nullptr) o[j] = __float2bfloat16_rn(x);
+    }
   }
 }
 
 // Streaming versions, for rows longer than the register kernels hold.
-__global__ void CausalSoftmaxKernel(float* s, std::int64_t rows_total, std::int64_t t) {
+__global__ void CausalSoftmaxKernel(float* s, __nv_bfloat16* out16, std::int64_t rows_total, std::int64_t t) {
   const std::int64_t row = blockIdx.x * static_cast<std::int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows_total) return;
@@ -262,11 +286,17 @@ __global__ void CausalSoftmaxKernel(float* s, std::int64_t rows_total, std::int6
     sum += e;
   }
   const float inv = 1.f / WarpSum(sum);
-  for (std::int64_t j = lane; j < t; j += 32) p[j] = j <= i ? p[j] * inv : 0.f;
+  __nv_bfloat16* const o = CopyRow(out16, row, t);
+  for (std::int64_t j = lane; j < t; j += 32) {
+    const float x = j <= i ? p[j] * inv : 0.f;
+    p[j] = x;
+    if (o != nullptr) o[j] = __float2bfloat16_rn(x);
+  }
 }
 
 // dS = P * (dP - rowsum(P * dP)) on the causal part, zero above it; dp is overwritten by dS.
-__global__ void CausalSoftmaxBackwardKernel(const float* p, float* dp, std::int64_t rows_total, std::int64_t t) {
+__global__ void CausalSoftmaxBackwardKernel(const float* p, float* dp, __nv_bfloat16* out16, std::int64_t rows_total,
+                                            std::int64_t t) {
   const std::int64_t row = blockIdx.x * static_cast<std::int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows_total) return;
@@ -276,7 +306,12 @@ __global__ void CausalSoftmaxBackwardKernel(const float* p, float* dp, std::int6
   float dot = 0.f;
   for (std::int64_t j = lane; j <= i; j += 32) dot += pr[j] * dr[j];
   dot = WarpSum(dot);
-  for (std::int64_t j = lane; j < t; j += 32) dr[j] = j <= i ? pr[j] * (dr[j] - dot) : 0.f;
+  __nv_bfloat16* const o = CopyRow(out16, row, t);
+  for (std::int64_t j = lane; j < t; j += 32) {
+    const float x = j <= i ? pr[j] * (dr[j] - dot) : 0.f;
+    dr[j] = x;
+    if (o != nullptr) o[j] = __float2bfloat16_rn(x);
+  }
 }
 
 // ---- cross-entropy ----------------------------------------------------------------------------------------
@@ -485,31 +520,44 @@ void ByRowLength(std::int64_t t, Launch&& launch) {
   return launch(std::integral_constant<int, 0>{});
 }
 
-void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t) {
+// The bf16 copies' padding, zeroed before a softmax kernel writes the rest of them (t % 8 == 0: none).
+static void ZeroCopyPadding(void* out16, std::int64_t matrices, std::int64_t t) {
+  if (out16 == nullptr || t % kBf16PadTo == 0) return;
+  const std::size_t bytes = static_cast<std::size_t>(matrices * packed_bf16_numel(t, t)) * sizeof(__nv_bfloat16);
+  SK_CUDA_CHECK(cudaMemsetAsync(out16, 0, bytes, cudaStreamPerThread));
+}
+
+void causal_softmax(Device device, float* s, std::int64_t matrices, std::int64_t t, void* out16) {
   if (matrices * t == 0) return;
   DeviceGuard guard(device);
+  ZeroCopyPadding(out16, matrices, t);
+  auto* o = static_cast<__nv_bfloat16*>(out16);
   ByRowLength(t, [&](auto per_lane) {
     constexpr int k = decltype(per_lane)::value;
     if constexpr (k == 0) {
-      CausalSoftmaxKernel<<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(s, matrices * t, t);
+      CausalSoftmaxKernel<<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(s, o, matrices * t, t);
     } else {
-      CausalSoftmaxRowKernel<k><<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(s, matrices * t, t);
+      CausalSoftmaxRowKernel<k><<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(s, o, matrices * t,
+                                                                                               t);
     }
   });
   CheckLaunch("cuda::causal_softmax");
 }
 
-void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t) {
+void causal_softmax_backward(Device device, const float* p, float* dp, std::int64_t matrices, std::int64_t t,
+                             void* out16) {
   if (matrices * t == 0) return;
   DeviceGuard guard(device);
+  ZeroCopyPadding(out16, matrices, t);
+  auto* o = static_cast<__nv_bfloat16*>(out16);
   ByRowLength(t, [&](auto per_lane) {
     constexpr int k = decltype(per_lane)::value;
     if constexpr (k == 0) {
-      CausalSoftmaxBackwardKernel<<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(p, dp, matrices * t,
-                                                                                                  t);
+      CausalSoftmaxBackwardKernel<<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(p, dp, o,
+                                                                                                  matrices * t, t);
     } else {
       CausalSoftmaxBackwardRowKernel<k>
-          <<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(p, dp, matrices * t, t);
+          <<<RowBlocks(matrices * t), kThreads, 0, cudaStreamPerThread>>>(p, dp, o, matrices * t, t);
     }
   });
   CheckLaunch("cuda::causal_softmax_backward");

@@ -10,6 +10,7 @@
 
 #include "common/autograd/engine.h"
 #include "common/autograd/ops.h"
+#include "common/kernels/cuda/bf16_gemm_plan.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/nn/nn.h"
 #include "common/optim/adam.h"
@@ -238,6 +239,30 @@ TEST(CudaOpsTest, FusedAttentionAtMediumPrecisionMatchesTheCpu) {
   for (const Case k : {Case{2, 1, 2, 64}, {1, 63, 3, 64}, {2, 64, 2, 64}, {1, 65, 2, 64}, {2, 130, 2, 16},
                        {1, 200, 2, 32}, {1, 129, 1, 128}, {2, 37, 4, 8}, {1, 70, 2, 48}, {1, 300, 2, 100}}) {
     SCOPED_TRACE(::testing::Message() << "B " << k.b << " T " << k.t << " heads " << k.heads << " hs " << k.hs);
+    ExpectSameOnDevice({Uniform({k.b, k.t, 3 * k.heads * k.hs}, seed++)},
+                       [h = k.heads](const TensorList& t) { return causal_attention(t[0], h); }, 2e-2);
+  }
+}
+
+// Matmul precision medium with the materialised attention (RankContext::fused_attention off): the products run on
+// bf16 tensor cores, the head-wide ones at T >= 512 on the bf16 copies of P and dS the softmax kernels write (Note
+// [softmax writes the bf16 copy] in common/autograd/ops/attention.cc), so the op follows the fp32 CPU op to bf16
+// accuracy, forward and gradients. T not a multiple of 8 (the copies' padding) on both sides of that threshold, and
+// T = 512 (no padding).
+TEST(CudaOpsTest, MaterialisedAttentionAtMediumPrecisionMatchesTheCpu) {
+  SK_REQUIRE_CUDA_DEVICE("causal_attention on a GPU");
+  RankContext ctx;
+  ctx.matmul_precision = MatmulPrecision::medium;
+  ctx.fused_attention = false;
+  RankContextScope scope(ctx);
+  struct Case {
+    std::int64_t b, t, heads, hs;
+    bool on_copies;  // attention_runs_on_softmax_copies(t, hs)
+  };
+  std::uint64_t seed = 80;
+  for (const Case k : {Case{2, 37, 4, 8, false}, {1, 70, 2, 48, false}, {2, 517, 2, 64, true}, {1, 512, 2, 32, true}}) {
+    SCOPED_TRACE(::testing::Message() << "B " << k.b << " T " << k.t << " heads " << k.heads << " hs " << k.hs);
+    ASSERT_EQ(kernels::cuda::attention_runs_on_softmax_copies(k.t, k.hs), k.on_copies);
     ExpectSameOnDevice({Uniform({k.b, k.t, 3 * k.heads * k.hs}, seed++)},
                        [h = k.heads](const TensorList& t) { return causal_attention(t[0], h); }, 2e-2);
   }

@@ -144,5 +144,25 @@ TEST(Bf16GemmPlanTest, PackGroupsCoverTheCopyOnceWithZeroPadding) {
   EXPECT_EQ(pack_shape(5, 11, 13, 70, 1).stride, 0) << "one matrix: the stride is not used";
 }
 
+// Note [softmax writes the bf16 copy] (common/autograd/ops/attention.cc): attention's head-wide products run on the
+// softmax's copies exactly where they would otherwise run TF32 and the T x T products run on bf16: GPT-2 small's
+// T = 1024, hs = 64; not below T = 512 (S itself runs TF32), nor where hs is wide enough for copies to pay.
+TEST(Bf16GemmPlanTest, AttentionRunsOnSoftmaxCopiesWhereOnlyTheTxTProductsRunOnBf16) {
+  EXPECT_TRUE(attention_runs_on_softmax_copies(1024, 64));
+  EXPECT_TRUE(attention_runs_on_softmax_copies(512, 64));
+  EXPECT_TRUE(attention_runs_on_softmax_copies(517, 64));
+  EXPECT_FALSE(attention_runs_on_softmax_copies(511, 64));
+  EXPECT_FALSE(attention_runs_on_softmax_copies(37, 8));
+  EXPECT_FALSE(attention_runs_on_softmax_copies(1024, 1024));
+  EXPECT_FALSE(attention_runs_on_softmax_copies(0, 64));
+  for (const std::int64_t t : {100, 512, 1024, 4096}) {
+    for (const std::int64_t hs : {1, 16, 64, 128, 512}) {
+      EXPECT_EQ(attention_runs_on_softmax_copies(t, hs),
+                !medium_gemm_runs_on_bf16_copies(t, hs, t) && medium_gemm_runs_on_bf16_copies(t, t, hs))
+          << "t=" << t << " hs=" << hs;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shardkit::kernels::cuda

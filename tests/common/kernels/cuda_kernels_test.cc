@@ -405,9 +405,9 @@ TEST(CudaKernelsTest, CausalSoftmaxMatchesCpuForEveryRowLength) {
       for (std::int64_t j = 0; j <= i; ++j) ds[base + j] = p[base + j] * (dp[base + j] - dot);
     }
     const Tensor gs = ToGpu(Tensor::from_vector(scores, {n}));
-    cuda::causal_softmax(kGpu, gs.data<float>(), matrices, t);
+    cuda::causal_softmax(kGpu, gs.data<float>(), matrices, t, nullptr);
     const Tensor gd = ToGpu(Tensor::from_vector(dp, {n}));
-    cuda::causal_softmax_backward(kGpu, gs.data<float>(), gd.data<float>(), matrices, t);
+    cuda::causal_softmax_backward(kGpu, gs.data<float>(), gd.data<float>(), matrices, t, nullptr);
     const std::vector<float> got_p = ToCpu(gs, DType::f32).to_vector(), got_ds = ToCpu(gd, DType::f32).to_vector();
     for (std::size_t e = 0; e < got_p.size(); ++e) {
       ASSERT_NEAR(got_p[e], p[e], 1e-6 + 1e-5 * p[e]) << "P element " << e;
@@ -415,6 +415,106 @@ TEST(CudaKernelsTest, CausalSoftmaxMatchesCpuForEveryRowLength) {
       if (p[e] == 0) {  // above the diagonal: exactly zero
         ASSERT_EQ(got_p[e], 0.f) << e;
         ASSERT_EQ(got_ds[e], 0.f) << e;
+      }
+    }
+  }
+}
+
+// The packed bf16 copy the softmax and its backward write where asked (Note [softmax writes the bf16 copy] in
+// common/autograd/ops/attention.cc) is, bit for bit, pack_bf16 of the fp32 result they write, padding included
+// (the copy starts out as garbage, not zeros); the fp32 result is the same as without the copy. Rows of 8 and 64
+// (no padding), 13 (padding rows and columns), and the register (300) and streaming (1025) kernels' lengths.
+TEST(CudaKernelsTest, CausalSoftmaxWritesPackBf16OfItsResult) {
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
+  const std::int64_t matrices = 3;
+  for (const std::int64_t t : {8, 13, 64, 300, 1025}) {
+    SCOPED_TRACE(::testing::Message() << "t=" << t);
+    const std::int64_t n = matrices * t * t, copy_numel = cuda::packed_bf16_numel(t, t);
+    const Tensor s = Tensor::from_vector(RandomFloats(n, 7, -3.f, 3.f), {n});
+    const Tensor dp = Tensor::from_vector(RandomFloats(n, 8, -1.f, 1.f), {n});
+    const Tensor garbage = Tensor::full({matrices * copy_numel}, 7.0, TensorOptions{}.with_dtype(DType::bf16));
+    // The results and copies written by the kernels, and the same results written without copies.
+    const Tensor gp = ToGpu(s), gp_plain = ToGpu(s), p16 = ToGpu(garbage);
+    cuda::causal_softmax(kGpu, gp.data<float>(), matrices, t, p16.raw_data());
+    cuda::causal_softmax(kGpu, gp_plain.data<float>(), matrices, t, nullptr);
+    const Tensor gds = ToGpu(dp), gds_plain = ToGpu(dp), ds16 = ToGpu(garbage);
+    cuda::causal_softmax_backward(kGpu, gp.data<float>(), gds.data<float>(), matrices, t, ds16.raw_data());
+    cuda::causal_softmax_backward(kGpu, gp.data<float>(), gds_plain.data<float>(), matrices, t, nullptr);
+    const auto expect_copy_of = [&](const Tensor& result, const Tensor& plain, const Tensor& copy, const char* what) {
+      SCOPED_TRACE(what);
+      const std::vector<float> r = ToCpu(result, DType::f32).to_vector(), q = ToCpu(plain, DType::f32).to_vector();
+      for (std::size_t e = 0; e < r.size(); ++e) {
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(r[e]), std::bit_cast<std::uint32_t>(q[e])) << e;
+      }
+      const Tensor want = ToGpu(garbage);
+      for (std::int64_t m = 0; m < matrices; ++m) {
+        cuda::pack_bf16(kGpu, result.data<float>() + m * t * t, t, t, t, want.data<bf16_t>() + m * copy_numel);
+      }
+      const Tensor w = ToCpu(want, DType::bf16), g = ToCpu(copy, DType::bf16);
+      for (std::int64_t e = 0; e < matrices * copy_numel; ++e) {
+        ASSERT_EQ(g.data<bf16_t>()[e].bits, w.data<bf16_t>()[e].bits)
+            << "element " << e << ": matrix " << e / copy_numel << ", row " << e % copy_numel / cuda::round_up_to_pad(t)
+            << ", column " << e % cuda::round_up_to_pad(t);
+      }
+    };
+    expect_copy_of(gp, gp_plain, p16, "P");
+    expect_copy_of(gds, gds_plain, ds16, "dS");
+  }
+}
+
+// gemm_strided_batched_on_bf16_a with A given as its packed copies: where gemm_strided_batched at medium runs on
+// copies itself (t = 520, hs = 520), the same bits; where it does not (attention's head-wide products, t = 37 or 70,
+// hs = 16 or 64), the product of the bf16-rounded operands to fp32 accuracy. A as attention's P or dS (t x t
+// matrices one after another, either transpose), B and C as its heads (strided inside wider rows), beta 0 and 1.
+TEST(CudaKernelsTest, GemmOnBf16AMultipliesTheCopies) {
+  SK_REQUIRE_CUDA_DEVICE("CUDA kernels");
+  Generator gen(13);
+  const std::int64_t heads = 3;
+  for (const auto& [t, hs] : {std::pair<std::int64_t, std::int64_t>{520, 520}, {37, 16}, {70, 64}}) {
+    for (const bool ta : {false, true}) {
+      for (const float beta : {0.f, 1.f}) {
+        SCOPED_TRACE(::testing::Message() << "t=" << t << " hs=" << hs << " ta=" << ta << " beta=" << beta);
+        const std::int64_t width = heads * hs + 5, copy_numel = cuda::packed_bf16_numel(t, t);
+        const Tensor a = ToGpu(Tensor::uniform({heads, t, t}, gen, -1, 1));
+        const Tensor b = ToGpu(Tensor::uniform({t, width}, gen, -1, 1));
+        const Tensor c0 = Tensor::uniform({t, width}, gen, -1, 1);
+        const Tensor a16 = Tensor::empty({heads * copy_numel}, OnGpu(DType::bf16));
+        for (std::int64_t h = 0; h < heads; ++h) {
+          cuda::pack_bf16(kGpu, a.data<float>() + h * t * t, t, t, t, a16.data<bf16_t>() + h * copy_numel);
+        }
+        const Tensor got = ToGpu(c0);
+        cuda::gemm_strided_batched_on_bf16_a(kGpu, ta, false, t, hs, t, 0.75f, a16.raw_data(), b.data<float>(),
+                                             width, hs, beta, got.data<float>(), width, hs, heads);
+        const std::vector<float> g = ToCpu(got, DType::f32).to_vector(), before = c0.to_vector();
+        if (cuda::medium_gemm_runs_on_bf16_copies(t, hs, t)) {
+          const Tensor want = ToGpu(c0);
+          cuda::gemm_strided_batched(kGpu, ta, false, t, hs, t, 0.75f, a.data<float>(), t, t * t, b.data<float>(),
+                                     width, hs, beta, want.data<float>(), width, hs, heads, MatmulPrecision::medium);
+          const std::vector<float> w = ToCpu(want, DType::f32).to_vector();
+          for (std::size_t i = 0; i < w.size(); ++i) {
+            ASSERT_EQ(std::bit_cast<std::uint32_t>(g[i]), std::bit_cast<std::uint32_t>(w[i])) << i;
+          }
+          continue;
+        }
+        // The reference: double sums of the bf16-rounded operands; columns outside the heads untouched.
+        const std::vector<float> av = ToCpu(a, DType::f32).to_vector(), bv = ToCpu(b, DType::f32).to_vector();
+        const auto r16 = [](float x) { return static_cast<double>(bf16_to_f32(f32_to_bf16(x))); };
+        for (std::int64_t i = 0; i < t; ++i) {
+          for (std::int64_t j = 0; j < width; ++j) {
+            const std::size_t e = static_cast<std::size_t>(i * width + j);
+            const std::int64_t h = j / hs;
+            if (h >= heads) {
+              ASSERT_EQ(g[e], before[e]) << "column " << j << " outside the heads";
+              continue;
+            }
+            double want = beta * before[e];
+            for (std::int64_t l = 0; l < t; ++l) {
+              const float x = av[static_cast<std::size_t>(h * t * t + (ta ? l * t + i : i * t + l))];
+              want += 0.75 * r16(x) * r16(bv[static_cast<std::size_t>(l * width + j)]);
+            }
+            ASSERT_NEAR(g[e], want, 1e-5 * (1 + std::abs(want)) + 1e-6 * t) << "row " << i << " column " << j;
+          }
+        }
       }
     }
   }

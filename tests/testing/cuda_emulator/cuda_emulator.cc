@@ -334,6 +334,38 @@ void GemmOnBf16Copies(Device device, bool trans_a, bool trans_b, std::int64_t m,
   kernels::gemm(trans_a, trans_b, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, c, ldc);
 }
 
+// cublasGemmStridedBatchedEx on A's packed copies and B copied to bf16 (gemm.cu): A widened back to fp32 as stored,
+// B rounded to bf16 as Sgemm rounds a "medium" operand, then the CPU GEMM per matrix.
+void GemmStridedBatchedOnBf16A(Device device, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                               std::int64_t k, float alpha, const void* a16, const float* b, std::int64_t ldb,
+                               std::int64_t stride_b, float beta, float* c, std::int64_t ldc, std::int64_t stride_c,
+                               std::int64_t batches) {
+  Guard(device);  // the arguments were checked by the dispatch (cuda_kernels_dispatch.cc)
+  Open o;
+  const std::int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
+  const std::int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
+  const std::int64_t a_numel = kernels::cuda::packed_bf16_numel(a_rows, a_cols);
+  const std::int64_t lda = kernels::cuda::round_up_to_pad(a_cols);
+  if (alpha != 0.f) Dev(a16, static_cast<std::size_t>(batches * a_numel) * 2, "gemm_on_bf16_a A");
+  std::vector<float> a(static_cast<std::size_t>(a_numel));
+  for (std::int64_t bi = 0; bi < batches; ++bi) {
+    float* cb = c + bi * stride_c;
+    Dev(cb, static_cast<std::size_t>((m - 1) * ldc + n) * 4, "gemm_on_bf16_a C");
+    if (alpha == 0.f) {
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j) cb[i * ldc + j] = beta == 0.f ? 0.f : beta * cb[i * ldc + j];
+      continue;
+    }
+    const float* bb = b + bi * stride_b;
+    const std::size_t b_extent = static_cast<std::size_t>((b_rows - 1) * ldb + b_cols);
+    Dev(bb, b_extent * 4, "gemm_on_bf16_a B");
+    const auto* ab = static_cast<const bf16_t*>(a16) + bi * a_numel;
+    for (std::int64_t i = 0; i < a_numel; ++i) a[static_cast<std::size_t>(i)] = bf16_to_f32(ab[i]);
+    const std::vector<float> rb = Rounded(bb, b_extent, MatmulPrecision::medium);
+    kernels::gemm(trans_a, trans_b, m, n, k, alpha, a.data(), lda, rb.data(), ldb, beta, cb, ldc);
+  }
+}
+
 std::string CublasError() { return ""; }
 
 // ---- reductions / elementwise ----
@@ -529,7 +561,20 @@ void LayerNormBackward(Device d, const float* x, const float* gy, const float* w
   if (gb) ColumnSums([&](std::int64_t r, std::int64_t j, std::int64_t n) { return gy[r * n + j]; }, gb, rows, c, false);
 }
 
-void CausalSoftmax(Device d, float* s, std::int64_t matrices, std::int64_t t) {
+// The packed bf16 copies the softmax kernels write where asked (Note [softmax writes the bf16 copy] in
+// common/autograd/ops/attention.cc): `matrices` copies of the t x t results, as PackBf16 writes each.
+void SoftmaxCopies(const float* x, std::int64_t matrices, std::int64_t t, void* out16, const char* what) {
+  if (out16 == nullptr) return;
+  const std::int64_t pad = kernels::cuda::round_up_to_pad(t);
+  Dev(out16, static_cast<std::size_t>(matrices * pad * pad) * 2, what);
+  auto* out = static_cast<bf16_t*>(out16);
+  for (std::int64_t m = 0; m < matrices; ++m)
+    for (std::int64_t i = 0; i < pad; ++i)
+      for (std::int64_t j = 0; j < pad; ++j)
+        out[(m * pad + i) * pad + j] = f32_to_bf16(i < t && j < t ? x[(m * t + i) * t + j] : 0.f);
+}
+
+void CausalSoftmax(Device d, float* s, std::int64_t matrices, std::int64_t t, void* out16) {
   if (matrices * t == 0) return;
   Guard(d); Open o; Grid((matrices * t + 7) / 8, 1, "causal_softmax");
   Dev(s, matrices * t * t * 4, "causal_softmax s");
@@ -543,8 +588,9 @@ void CausalSoftmax(Device d, float* s, std::int64_t matrices, std::int64_t t) {
     const float inv = 1.f / sum;
     for (std::int64_t j = 0; j < t; ++j) p[j] = j <= i ? p[j] * inv : 0.f;
   }
+  SoftmaxCopies(s, matrices, t, out16, "causal_softmax out16");
 }
-void CausalSoftmaxBackward(Device d, const float* p, float* dp, std::int64_t matrices, std::int64_t t) {
+void CausalSoftmaxBackward(Device d, const float* p, float* dp, std::int64_t matrices, std::int64_t t, void* out16) {
   if (matrices * t == 0) return;
   Guard(d); Open o; Grid((matrices * t + 7) / 8, 1, "causal_softmax_b");
   Dev(p, matrices * t * t * 4, "csb p"); Dev(dp, matrices * t * t * 4, "csb dp");
@@ -555,6 +601,7 @@ void CausalSoftmaxBackward(Device d, const float* p, float* dp, std::int64_t mat
     for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
     for (std::int64_t j = 0; j < t; ++j) dr[j] = j <= i ? pr[j] * (dr[j] - dot) : 0.f;
   }
+  SoftmaxCopies(dp, matrices, t, out16, "csb out16");
 }
 
 // The fused attention (flash_attention.cu) computed plainly, with the kernels' roundings: Q, K, V, dY, P and dS
@@ -760,7 +807,8 @@ constexpr detail::CudaMemoryOps kMemory{.allocate = &Allocate, .free = &Free, .z
                                          .host_alloc = &HostAlloc, .host_free = &HostFree};
 constexpr kernels::cuda::CudaKernelOps kKernels{
     .gemm = &Defer<&Gemm>::run, .pack_bf16 = &Defer<&PackBf16>::run,
-    .gemm_on_bf16_copies = &Defer<&GemmOnBf16Copies>::run, .cublas_load_error = &CublasError, .sum = &Synced<&Sum>::run,
+    .gemm_on_bf16_copies = &Defer<&GemmOnBf16Copies>::run,
+    .gemm_strided_batched_on_bf16_a = &Defer<&GemmStridedBatchedOnBf16A>::run, .cublas_load_error = &CublasError, .sum = &Synced<&Sum>::run,
     .sum_squares = &Synced<&SumSq>::run, .max_abs = &Synced<&MaxAbs>::run,
     .add = &Defer<&Add>::run, .sub = &Defer<&Sub>::run, .mul = &Defer<&Mul>::run, .scale = &Defer<&Scale>::run,
     .axpy = &Defer<&Axpy>::run, .axpby = &Defer<&Axpby>::run, .fill = &Defer<&Fill>::run,
