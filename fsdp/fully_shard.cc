@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/nn/deferred_init.h"
+#include "fsdp/same_values.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -131,6 +132,7 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
     }
   }
   std::unique_ptr<ParamGroup> pg;
+  const std::shared_ptr<comm::ProcessGroup> replicate_group = replicate;  // (moved into the ParamGroup below)
   if (!params->empty()) {
     pg = std::make_unique<ParamGroup>(absl::StrCat(module.type_name(), " '", params->front().names.front(), "'..."),
                                       std::move(*params), group, std::move(replicate), options.timeout,
@@ -140,6 +142,12 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   if (pg != nullptr && reshard_group > 0) {
     if (absl::Status s = pg->enable_group_reshard(reshard_group); !s.ok()) return s;  // collective (a split)
   }
+  // Note [same values on every rank] in same_values.cc: collective (one small all_gather); what differs is told by
+  // the first forward, summon or unshard, where the parameters' full names are known.
+  auto mismatches = compare_values(pg != nullptr ? pg->take_value_hashes() : std::vector<std::uint64_t>{},
+                                   options.ignored_params, *group, replicate_group.get(),
+                                   options.timeout.value_or(group->default_timeout()));
+  if (!mismatches.ok()) return mismatches.status();
   // The full tensors are no longer the module's: free their bytes now (a registration outside this subtree, a
   // parameter shared with a sibling unit, is then refused by that unit's fully_shard instead of silently untied).
   for (const Tensor& t : originals) {
@@ -154,6 +162,7 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
     }
   }
   auto state = std::make_shared<FSDPState>(module, std::move(group), std::move(options), std::move(pg));
+  state->set_value_mismatches(std::move(*mismatches));
   module.set_attachment(kFsdpAttachment, std::move(state));
   return state_of(module);
 }

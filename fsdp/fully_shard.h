@@ -33,9 +33,15 @@
 // Rules (each breach is a Status from fully_shard, or an FsdpError from the forward that finds it):
 //   * call bottom-up, each module at most once; a container without a forward of its own (ModuleList) cannot be a
 //     unit (shard the modules it holds, or the module that calls them);
-//   * every rank builds the same model (same seed) before sharding: each rank keeps its rows of its own copy (NOT
-//     checked: copies built with other values train silently as a mixed model; fsdp_misuse_test keeps a skipped
-//     test for it);
+//   * every rank builds the same model (same seed) before sharding: each rank keeps its rows of its own copy.
+//     Checked (Note [same values on every rank] in same_values.cc): each call hashes every parameter it shards
+//     while the parameter is whole (eager or deferred init; a CUDA parameter through a host copy) and compares the
+//     hashes, and its ignored_params' values, across every rank of its group (and of the replicate group under
+//     HSDP): one all_gather of 8 bytes per parameter. What differs is told, on every rank, by the root's first
+//     forward (an FsdpError), summon_full_params, unshard, the state dicts and exports (InvalidArgument), naming the
+//     first differing parameter and the ranks, e.g. "fsdp: parameter 'blocks.0.attn.qkv.weight' on rank 1 differs
+//     from rank 0's before sharding", again each time, until fsdp::load_full_state_dict / load_sharded_state_dict
+//     replace those values with one checkpoint's;
 //   * a parameter used by two units belongs to their common ancestor (fsdp::auto_shard assigns it, see
 //     fsdp/wrap_policy.h; with manual calls, name it in FullyShardOptions::leave_to_ancestor of the lower calls, or
 //     shard the ancestor instead of one of them: a parameter another unit already took is refused);
@@ -51,8 +57,9 @@
 //     parameters are not reduced] in param_group.cc);
 //   * FullyShardOptions::ignored_params stay whole and replicated; FSDP neither shards nor reduces them.
 //
-// Thread-safety: one rank's thread. Collectives: unshard, the forward and backward hooks, clip_grad_norm,
-// the state dicts.
+// Thread-safety: one rank's thread. Collectives: fully_shard itself (the comparison of the values above; and the
+// group split of reshard_after_forward = k), unshard, the forward and backward hooks, clip_grad_norm, the state
+// dicts.
 #pragma once
 
 #include <memory>
@@ -143,7 +150,8 @@ class FSDPModule {
 
 // Makes `module` a unit over `group` (see above). InvalidArgument: a container without a forward, a non-f32
 // trainable parameter, a parameter another (non-nested) unit already manages. FailedPrecondition: `module` is
-// already sharded.
+// already sharded. Collective (every rank makes the same calls, in the same order): a rank that does not make it
+// fails the others' with DeadlineExceeded after the unit's timeout.
 absl::StatusOr<FSDPModule> fully_shard(nn::Module& module, std::shared_ptr<comm::ProcessGroup> group,
                                        FullyShardOptions options = {});
 // On a DeviceMesh: 1-D, as over its group; 2-D (replicate × shard, comm/device_mesh.h), HSDP (Note [hybrid

@@ -10,6 +10,7 @@
 #include "common/nn/deferred_init.h"
 #include "common/tensor/pinned_host_source.h"
 #include "common/tensor/storage.h"
+#include "fsdp/same_values.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -137,6 +138,7 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
                        0, {full_numel}, DType::f32);  // released: no bytes until the first unshard
   std::int64_t full_offset = 0;
   nn::DeferredInit* deferred = nn::current_deferred_init();
+  const bool compared = world > 1 || (replicate_ != nullptr && replicate_->size() > 1);
   for (FSDPParam& p : params_) {
     const Tensor& full = p.registrations.front().first->parameter(p.registrations.front().second);
     SK_CHECK(full.shape() == p.global_shape && full.dtype() == DType::f32) << "fsdp: " << full.describe();
@@ -145,6 +147,7 @@ ParamGroup::ParamGroup(std::string name, std::vector<FSDPParam> params, std::sha
     const bool was_deferred = deferred != nullptr && deferred->is_deferred(full);
     if (was_deferred) deferred->materialize(full);
     SK_CHECK(full.device() == device_) << "fsdp: " << full.describe() << " in a unit on " << device_.str();
+    if (compared) value_hashes_.push_back(value_hash(full));  // Note [same values on every rank] in same_values.cc
     copy_rows(shard_, p.shard_offset, full, p.split.row_offset * p.split.row_numel, p.split.local_rows,
               p.split.row_numel);
     if (was_deferred && full.nbytes() > 0) full.release_storage();

@@ -43,6 +43,8 @@ class ParamGroup {
  public:
   // Takes the parameters (their current values: every rank must pass the same ones, e.g. built from the same
   // seed) and shards them: each rank keeps its rows in the shard buffer, the registrations point at the shards.
+  // Hashes each parameter while it is whole (take_value_hashes(); Note [same values on every rank] in
+  // same_values.cc).
   // `params[i].registrations`, `names` and `global_shape` must be set; the rest is filled here.
   // `replicate` (HSDP, Note [hybrid sharding]): the group of the ranks holding the same shard as this one (one
   // per replica), or nullptr.
@@ -119,6 +121,10 @@ class ParamGroup {
   // Drops the unsharded gradients and a reduce in flight (a failed backward).
   void drop_unsharded_grads();
 
+  // Note [same values on every rank] in same_values.cc: per parameter, the hash of its whole values taken at
+  // construction (empty over a group of one rank without a replicate group); handed over once, to fully_shard.
+  std::vector<std::uint64_t> take_value_hashes() { return std::move(value_hashes_); }
+
   const std::string& name() const { return name_; }
   const std::vector<FSDPParam>& params() const { return params_; }
   std::int64_t shard_numel() const { return shard_.numel(); }  // S, padding included
@@ -145,6 +151,7 @@ class ParamGroup {
 
   std::string name_;
   std::vector<FSDPParam> params_;
+  std::vector<std::uint64_t> value_hashes_;  // Note [same values on every rank] in same_values.cc
   std::shared_ptr<comm::ProcessGroup> pg_;
   std::shared_ptr<comm::ProcessGroup> replicate_;  // HSDP, else nullptr
   Tensor partial_;  // HSDP: reduced rows not all-reduced yet (set_requires_all_reduce(false)), or undefined

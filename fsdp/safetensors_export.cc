@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "fsdp/fsdp_param.h"
 #include "fsdp/fully_shard.h"
 #include "fsdp/param_group.h"
+#include "fsdp/same_values.h"
 #include "fsdp/state.h"
 
 namespace shardkit::fsdp {
@@ -49,6 +51,14 @@ absl::StatusOr<comm::ProcessGroup*> AtRest(nn::Module& root) {
   if (!unit.ok()) return unit.status();
   if (absl::Status s = unit->reshard(/*recurse=*/true); !s.ok()) return s;
   return &unit->state().process_group();
+}
+
+// Note [same values on every rank] in same_values.cc: an export of a model whose ranks sharded other values would
+// write a mixed model.
+absl::Status SameValues(nn::Module& root) {
+  absl::StatusOr<FSDPModule> unit = state_of(root);
+  if (!unit.ok()) return unit.status();
+  return values_differ(root, unit->state().subtree_states());
 }
 
 // What an export writes: each tensor of the plan with the source it comes from and its map entry.
@@ -255,6 +265,7 @@ absl::StatusOr<std::vector<LoadItem>> PlanLoad(const io::SafetensorsModel& file,
 }  // namespace
 
 absl::Status export_sharded_safetensors(nn::Module& root, const std::string& dir, const io::ModelExportOptions& options) {
+  if (absl::Status s = SameValues(root); !s.ok()) return s;
   absl::StatusOr<comm::ProcessGroup*> pg = AtRest(root);
   if (!pg.ok()) return pg.status();
   absl::StatusOr<ExportPlan> e = PlanExport(root, (*pg)->size(), options);
@@ -269,6 +280,7 @@ absl::Status export_sharded_safetensors(nn::Module& root, const std::string& dir
 }
 
 absl::Status export_single_safetensors(nn::Module& root, const std::string& path, const io::ModelExportOptions& options) {
+  if (absl::Status s = SameValues(root); !s.ok()) return s;
   absl::StatusOr<comm::ProcessGroup*> pg = AtRest(root);
   if (!pg.ok()) return pg.status();
   absl::StatusOr<ExportPlan> e = PlanExport(root, 1, options);
@@ -293,7 +305,13 @@ absl::Status load_safetensors_rows(nn::Module& root, const std::string& path, co
   const std::vector<Source> sources = FullStateSources(root);
   absl::StatusOr<std::vector<LoadItem>> items = PlanLoad(*file, *map, sources, strict);
   if (!items.ok()) return items.status();
-  for (const LoadItem& item : *items) CopyRows(item);
+  std::set<const TensorImpl*> written;
+  for (const LoadItem& item : *items) {
+    CopyRows(item);
+    written.insert(item.target->live.id());
+  }
+  // Note [same values on every rank] in same_values.cc: one file's values, the same on every rank.
+  for (FSDPState* s : state_of(root)->state().subtree_states()) s->forget_value_mismatches(written);
   return absl::OkStatus();
 }
 

@@ -29,6 +29,9 @@
 // unchanged), and copies only its own rows of each tensor out of the mapping (for a transposed tensor, rows of
 // the model's tensor are columns of the file's), converting dtype as nn::Module::load_state_dict does.
 //
+// Note [same values on every rank] (fsdp/same_values.cc): the exports refuse (InvalidArgument, before any
+// collective, on every rank) a model whose ranks sharded other values; a load's values no longer count as differing.
+//
 // Collectives (the export functions) follow the group's contract: every rank calls them, in the same order
 // relative to its other collectives. A rank whose write fails returns that error without reaching the barrier,
 // so the others fail too (the group's deadline, or Aborted when the failing rank aborts the group, as

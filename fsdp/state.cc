@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/autograd/grad_mode.h"
+#include "fsdp/same_values.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -113,6 +114,14 @@ FSDPState::FSDPState(nn::Module& module, std::shared_ptr<comm::ProcessGroup> gro
 
 FSDPState::~FSDPState() {
   if (ctx_ != nullptr) std::erase(ctx_->states, this);
+}
+
+void FSDPState::forget_value_mismatches(const std::set<const TensorImpl*>& written) {
+  std::erase_if(value_mismatches_, [&](const ValueMismatch& m) {
+    if (m.ignored.defined()) return written.count(m.ignored.id()) != 0;
+    const FSDPParam& p = params_->params()[m.param];
+    return written.count(p.sharded.id()) != 0 || written.count(p.unsharded.id()) != 0;
+  });
 }
 
 std::vector<FSDPState*> FSDPState::subtree_states() const {
@@ -242,6 +251,8 @@ absl::Status FSDPState::start_unshard() {
     return absl::FailedPreconditionError(absl::StrCat("fsdp: unshard() on a ", module_->type_name(), " in training state ",
                                                       training_state_name(state_), "; expected idle"));
   }
+  // Note [same values on every rank] in same_values.cc
+  if (absl::Status s = values_differ(*module_, {this}); !s.ok()) return s;
   return issue_unshard();
 }
 
@@ -282,6 +293,13 @@ void FSDPState::pre_forward(const TensorList& inputs) {
   std::erase(ctx_->prefetched, this);  // running now, no longer ahead
   if (!recompute) prefetch(forward_prefetch_, neighbour_in(ctx_->forward_order, +1));
   if (absl::Status s = unshard_unit(); !s.ok()) throw FsdpError(std::move(s));
+  if (is_root() && !recompute && !ctx_->values_verified) {  // Note [same values on every rank] in same_values.cc
+    if (absl::Status s = values_differ(*module_, ctx_->states); !s.ok()) {
+      reset_forward_state();  // refused before anything ran: at rest, as before the forward (a load may follow)
+      throw FsdpError(std::move(s));
+    }
+    ctx_->values_verified = true;
+  }
   if (is_root() || !autograd::is_grad_enabled()) return;
   for (const Tensor& t : inputs) {  // Note [post-backward on a unit's inputs]
     if (!t.defined() || !t.requires_grad()) continue;
@@ -457,6 +475,8 @@ absl::Status FSDPState::summon() {
                                                         "; expected idle (between steps)"));
     }
   }
+  // Note [same values on every rank] in same_values.cc: before any rank sees the full values.
+  if (absl::Status st = values_differ(*module_, targets); !st.ok()) return st;
   for (FSDPState* s : targets) {
     if (s->state_ == TrainingState::summoned) continue;
     // Summoned values are read, written back and saved: exact f32, not param_dtype's (mixed_precision.h).

@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,15 @@ const char* training_state_name(TrainingState s);
 inline constexpr const char* kFsdpAttachment = "fsdp";
 
 class FSDPState;
+
+// A parameter of a unit whose values differed across ranks at fully_shard (Note [same values on every rank] in
+// same_values.cc).
+struct ValueMismatch {
+  std::size_t param = 0;  // index into the unit's ParamGroup::params(), when `ignored` is undefined
+  Tensor ignored = {};    // the ignored parameter (FullyShardOptions::ignored_params), or undefined
+  int rank = 0;           // the lowest global rank whose values differ from `reference`'s
+  int reference = 0;      // the lowest global rank of the unit's group(s)
+};
 
 // Unsharded bytes (N × S × 4 per unit) of a root's unshard all-gathers and gradient reduce-scatters, and how many
 // of them were overlapped: issued ahead of the unit's use (a prefetched all-gather) or waited for after later work was issued (a
@@ -95,6 +105,7 @@ struct RootContext {
   };
   std::vector<Reducing> reducing;
   std::int64_t hooks = 0;  // hooks run so far (tells a reduce-scatter finished by a later hook)
+  bool values_verified = false;  // Note [same values on every rank] in same_values.cc: no state holds a mismatch
   CommOverlapStats overlap;
 };
 
@@ -128,6 +139,12 @@ class FSDPState : public nn::Module::Attachment {
   // Explicit prefetch lists (Note [prefetch]); empty optional: implicit.
   void set_forward_prefetch(std::vector<FSDPState*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<FSDPState*> units) { backward_prefetch_ = std::move(units); }
+  // Note [same values on every rank] in same_values.cc: the unit's parameters whose values differed across ranks
+  // at fully_shard (empty: none), until a load replaces them (forget_value_mismatches: those whose tensors, shard,
+  // unsharded or ignored, are in `written`).
+  const std::vector<ValueMismatch>& value_mismatches() const { return value_mismatches_; }
+  void set_value_mismatches(std::vector<ValueMismatch> m) { value_mismatches_ = std::move(m); }
+  void forget_value_mismatches(const std::set<const TensorImpl*>& written);
   // The root's counters (zeros before the first forward).
   CommOverlapStats overlap_stats() const { return ctx_ != nullptr ? ctx_->overlap : CommOverlapStats{}; }
   void reset_overlap_stats() {
@@ -176,6 +193,7 @@ class FSDPState : public nn::Module::Attachment {
   std::optional<double> divide_factor_;
   bool reduced_ = false;  // in the current backward
   bool pending_is_last_backward_ = true;
+  std::vector<ValueMismatch> value_mismatches_;  // Note [same values on every rank]
   std::vector<autograd::HookHandle> module_hooks_;
   struct BackwardHook {
     std::int64_t forward = 0;  // the root forward that registered it

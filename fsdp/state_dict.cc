@@ -4,6 +4,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/autograd/grad_mode.h"
@@ -11,6 +12,7 @@
 #include "common/comm/host_staged.h"
 #include "common/optim/state_dict_validation.h"
 #include "fsdp/fully_shard.h"
+#include "fsdp/same_values.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -253,6 +255,18 @@ absl::Status not_a_parameter(const char* who, std::int64_t k, const Tensor& para
       k, " (", param.describe(), ") that is not one of them"));
 }
 
+// Note [same values on every rank] in same_values.cc: a load writes the values of one checkpoint, the same on every
+// rank, so the parameters it writes (by state_dict() name) no longer differ across ranks, whatever fully_shard found.
+void forget_loaded_values(nn::Module& root, const std::set<std::string>& names) {
+  std::set<const TensorImpl*> loaded;
+  for (const auto& [name, t] : named_state(root)) {
+    if (names.count(name) != 0) loaded.insert(t.id());
+  }
+  for (const auto& [n, mod] : root.named_modules()) {
+    if (FSDPState* s = state_attached(*mod)) s->forget_value_mismatches(loaded);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<nn::StateDict> full_state_dict(nn::Module& root) {
@@ -268,8 +282,19 @@ absl::StatusOr<nn::StateDict> full_state_dict(nn::Module& root) {
 absl::Status load_full_state_dict(nn::Module& root, const nn::StateDict& state, bool strict) {
   auto unit = state_of(root);
   if (!unit.ok()) return unit.status();
-  if (absl::Status s = unit->summon_full_params(); !s.ok()) return s;
-  absl::Status loaded = root.load_state_dict(state, strict);
+  // Values the load replaces no longer differ (before the summon, which refuses a model whose values differ); a
+  // refused load (the module unchanged) keeps what was found.
+  std::vector<std::pair<FSDPState*, std::vector<ValueMismatch>>> found;
+  for (FSDPState* s : unit->state().subtree_states()) found.emplace_back(s, s->value_mismatches());
+  std::set<std::string> names;
+  for (const auto& [name, t] : state) names.insert(name);
+  forget_loaded_values(root, names);
+  absl::Status summoned = unit->summon_full_params();
+  absl::Status loaded = summoned.ok() ? root.load_state_dict(state, strict) : summoned;
+  if (!loaded.ok()) {
+    for (auto& [s, m] : found) s->set_value_mismatches(std::move(m));
+  }
+  if (!summoned.ok()) return summoned;
   if (absl::Status s = unit->reshard(/*recurse=*/true); !s.ok()) return s;  // keeps the loaded rows
   return loaded;
 }
@@ -419,7 +444,10 @@ absl::StatusOr<optim::OptimizerStateDict> from_named(const nn::Module& root, con
 // ---- sharded model state ---------------------------------------------------------------------------------------
 
 absl::StatusOr<ShardedStateDict> sharded_state_dict(nn::Module& root) {
-  if (auto unit = state_of(root); !unit.ok()) return unit.status();
+  auto unit = state_of(root);
+  if (!unit.ok()) return unit.status();
+  // Note [same values on every rank] in same_values.cc: the pieces of a mixed model would load as one.
+  if (absl::Status s = values_differ(root, unit->state().subtree_states()); !s.ok()) return s;
   const auto managed = managed_params(root);
   ShardedStateDict out;
   for (const auto& [name, t] : named_state(root)) {
@@ -467,11 +495,14 @@ absl::Status load_sharded_state_dict(nn::Module& root, const std::vector<Sharded
   }
   if (absl::Status s = unit->reshard(/*recurse=*/true); !s.ok()) return s;  // the shards are the truth again
   autograd::NoGradGuard no_grad;
+  std::set<std::string> loaded;
   for (std::size_t k = 0; k < targets.size(); ++k) {
     if (!plans[k]) continue;
     const Rows& r = targets[k].second;
     copy_rows(*plans[k], r.global_shape, r.tensor, r.row_offset);
+    loaded.insert(targets[k].first);
   }
+  forget_loaded_values(root, loaded);
   return absl::OkStatus();
 }
 

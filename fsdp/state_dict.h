@@ -34,7 +34,8 @@ namespace shardkit::fsdp {
 // Every rank gets the full model state (copies, MemoryCategory::other). Collective.
 absl::StatusOr<nn::StateDict> full_state_dict(nn::Module& root);
 // Loads a full model state (every rank passes the same dict): each rank keeps its rows. InvalidArgument (module
-// unchanged) as nn::Module::load_state_dict. Collective.
+// unchanged) as nn::Module::load_state_dict. Collective. The loaded parameters no longer count as differing across
+// ranks (Note [same values on every rank] in same_values.cc), so a model built from other seeds may load here.
 absl::Status load_full_state_dict(nn::Module& root, const nn::StateDict& state, bool strict = true);
 
 // The full state of `opt`, an optimizer over root's parameters (the shards and any whole parameters), on every
@@ -117,11 +118,13 @@ struct ShardedStateDict {
 // This rank's piece: for each name of root.state_dict(), a copy (MemoryCategory::other) of the rows it holds
 // (a sharded parameter's shard; whole for the others). A unit unsharded at the time (summoned, or kept unsharded
 // after a forward) gives its rows of the unsharded values. Local: no communication, no change to the module.
+// InvalidArgument when the ranks sharded other values (Note [same values on every rank] in same_values.cc).
 absl::StatusOr<ShardedStateDict> sharded_state_dict(nn::Module& root);
 // Loads this rank's rows from `pieces` (every rank's piece, any world size; Note [loading sharded pieces]). The
 // module is resharded first (FSDPModule::reshard(true): local), so it ends at rest. InvalidArgument (module
 // unchanged) as described there; FailedPrecondition inside a forward or backward. strict = false skips unknown
-// names and leaves names no piece holds as they are. Local.
+// names and leaves names no piece holds as they are. Local. The loaded parameters no longer count as differing
+// across ranks (Note [same values on every rank] in same_values.cc).
 absl::Status load_sharded_state_dict(nn::Module& root, const std::vector<ShardedStateDict>& pieces,
                                      bool strict = true);
 

@@ -374,8 +374,9 @@ TEST(FsdpMisuse, ABackwardOnOneRankOnlyEndsInBoundedTime) {
 
 // ---- ranks that disagree --------------------------------------------------------------------------------------
 
-// Ranks that build models of different widths or depths: every rank's step fails with the backend's "ranks
-// disagree on collective" (or an error caused by it), none hangs.
+// Ranks that build models of different widths or depths: every rank's step (or, for depths, fully_shard: each call
+// compares its unit's values, Note [same values on every rank] in fsdp/same_values.cc) fails with the backend's
+// "ranks disagree on collective" (or an error caused by it), none hangs.
 TEST(FsdpMisuse, RanksThatBuildDifferentModelsFailOnEveryRank) {
   for (const bool depth : {false, true}) {
     SCOPED_TRACE(depth ? "depth" : "width");
@@ -390,7 +391,10 @@ TEST(FsdpMisuse, RanksThatBuildDifferentModelsFailOnEveryRank) {
         }
       }
       nn::GPT model(c, 1);
-      if (absl::Status s = test_util::ShardGpt(model, env, {.timeout = absl::Seconds(1)}); !s.ok()) return s;
+      if (absl::Status s = test_util::ShardGpt(model, env, {.timeout = absl::Seconds(1)}); !s.ok()) {
+        seen[static_cast<std::size_t>(env.rank)] = s;
+        return absl::OkStatus();
+      }
       auto [x, y] = Batch(0, env.rank * 12, 12);
       seen[static_cast<std::size_t>(env.rank)] = Caught([&] {
         absl::Status b = autograd::try_backward(model.loss(x, y));
@@ -408,24 +412,37 @@ TEST(FsdpMisuse, RanksThatBuildDifferentModelsFailOnEveryRank) {
 
 // Ranks that build the same shapes from different seeds break the rule "every rank builds the same model"; the
 // rules say each breach is a Status or an FsdpError, DESIGN.md section 7 "mismatched models across ranks ... a
-// clear error on every rank".
+// clear error on every rank". Told at the first forward (Note [same values on every rank] in fsdp/same_values.cc),
+// on every rank, naming the first differing parameter and the ranks; the next step is refused the same way.
 TEST(FsdpMisuse, RanksThatBuildFromDifferentSeedsAreTold) {
-  GTEST_SKIP() << "BUG (or documentation gap): models built from different seeds on different ranks are sharded and "
-                  "trained without any error (each rank keeps its rows of its own copy: a silently mixed model)";
+  std::vector<std::vector<absl::Status>> seen(2);
   absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
     nn::GPT model(TinyConfig(), env.rank == 0 ? 1 : 2);
+    std::vector<absl::Status>& mine = seen[static_cast<std::size_t>(env.rank)];
     if (absl::Status s = test_util::ShardGpt(model, env, {.timeout = absl::Seconds(1)}); !s.ok()) {
-      return absl::OkStatus();  // told at fully_shard
+      mine.push_back(s);  // told at fully_shard
+      return absl::OkStatus();
     }
-    auto [x, y] = Batch(0, env.rank * 12, 12);
-    const absl::Status s = Caught([&] {
-      absl::Status b = autograd::try_backward(model.loss(x, y));
-      if (!b.ok()) throw autograd::StatusError(b);
-    });
-    EXPECT_FALSE(s.ok()) << "rank " << env.rank;
+    for (int step = 0; step < 2; ++step) {
+      auto [x, y] = Batch(step, env.rank * 12, 12);
+      mine.push_back(Caught([&] {
+        absl::Status b = autograd::try_backward(model.loss(x, y));
+        if (!b.ok()) throw autograd::StatusError(b);
+      }));
+    }
     return absl::OkStatus();
   }, {.timeout = absl::Seconds(2)});
   EXPECT_TRUE(st.ok()) << st;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(seen[static_cast<std::size_t>(r)].empty()) << "rank " << r;
+    for (const absl::Status& s : seen[static_cast<std::size_t>(r)]) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "rank " << r << ": " << s;
+      EXPECT_THAT(std::string(s.message()), HasSubstr("parameter 'wte.weight' on rank 1 differs from rank 0's"))
+          << "rank " << r;
+      EXPECT_THAT(std::string(s.message()), HasSubstr("every rank must build the same model (same seed)"))
+          << "rank " << r;
+    }
+  }
 }
 
 // Two units under one root; the root's forward runs `a` then `b`, or (on some ranks) `c` instead of `a`.
