@@ -376,7 +376,10 @@ bool ParamGroup::needs_reduce() const {
 
 void ParamGroup::drop_unsharded_grads() {
   for (const FSDPParam& p : params_) p.unsharded.set_grad(Tensor());
-  pending_reduce_.reset();  // its Work keeps the buffers until the peers are done
+  if (pending_reduce_) {  // Note [a backward that threw] in state.cc: nothing left in flight
+    for (const std::shared_ptr<comm::Work>& w : pending_reduce_->works) (void)w->wait();
+  }
+  pending_reduce_.reset();
 }
 
 absl::Status ParamGroup::reduce_grads(std::optional<double> divide_factor) {

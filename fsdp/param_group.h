@@ -118,7 +118,8 @@ class ParamGroup {
   // on every rank (freezing is), unlike has_unsharded_grads (Note [frozen parameters are not reduced] in
   // param_group.cc).
   bool needs_reduce() const;
-  // Drops the unsharded gradients and a reduce in flight (a failed backward).
+  // Drops the unsharded gradients and a reduce in flight, waited for first (a failed backward: Note [a backward
+  // that threw] in state.cc).
   void drop_unsharded_grads();
 
   // Note [same values on every rank] in same_values.cc: per parameter, the hash of its whole values taken at

@@ -438,15 +438,32 @@ void FSDPState::reset_forward_state() {
   t_forward_root = nullptr;
 }
 
+// Note [a backward that threw]
+// A backward that ends by an exception (a hook threw: a refused divide factor, a failed collective) may leave
+// collectives in flight: all-gathers prefetched for units the backward never reached, reduce-scatters of units it
+// did. They were left for the next forward to wait for, so a rank that stopped after the error destroyed its group
+// with a call still queued (an error of its own, "the group handle was destroyed with 1 call queued", in about one
+// run of twenty of FsdpMisuse.DivideFactorZeroNegativeOrNanIsRefused) and held the gathered parameters meanwhile.
+// Every rank issued the same calls up to the failure (the same hooks run in the same order), so each is waited for
+// here, its status dropped (the backward's own error is the one to report; a call a peer never joins ends at its
+// deadline, as every FSDP collective does), and the units are resharded as a backward that ends well leaves them:
+// the failed backward ends with nothing in flight and every unit at rest
+// (FsdpMisuse.AFailedBackwardLeavesNoPrefetchInFlight).
 void FSDPState::reset_backward_state() {
   if (ctx_ == nullptr) return;
   ctx_->in_backward = false;
   ctx_->reducing.clear();  // dropped below with the partial gradients
-  ctx_->prefetched.clear();  // (their all-gathers are waited for by the next forward)
+  for (FSDPState* s : std::vector<FSDPState*>(ctx_->prefetched)) {
+    (void)s->wait_unshard();  // the backward's error is the one reported
+    if (s->state_ == TrainingState::idle) s->reshard_unit();
+  }
+  ctx_->prefetched.clear();
   for (FSDPState* s : ctx_->states) {
     if (s->params_ != nullptr) s->params_->drop_unsharded_grads();  // partial gradients of the failed backward
     s->reduced_ = false;
-    if (s->state_ != TrainingState::summoned) s->state_ = TrainingState::idle;
+    if (s->state_ == TrainingState::summoned) continue;
+    s->state_ = TrainingState::idle;
+    if (s->reshard_after_backward_) s->reshard_unit();  // as a backward that ends well leaves it
   }
 }
 

@@ -188,6 +188,30 @@ TEST(FsdpMisuse, DivideFactorZeroNegativeOrNanIsRefused) {
   }
 }
 
+// A backward that fails (here: a refused divide factor at a block's reduce) after the next block's all-gather was
+// prefetched: that all-gather must not outlive the backward. It was left queued until the next forward, so a rank
+// that stopped after the error destroyed its group with the call still queued ("the group handle was destroyed
+// with 1 call queued and not started", in about one run of twenty of the test above), and the gathered
+// parameters stayed unsharded. Every rank must end the failed backward with nothing in flight: no communication
+// buffer held, parameters at rest (Note [a backward that threw] in fsdp/state.cc).
+TEST(FsdpMisuse, AFailedBackwardLeavesNoPrefetchInFlight) {
+  absl::Status st = comm::RunRanks(2, [&](comm::RankEnv& env) -> absl::Status {
+    nn::GPT model(TinyConfig(), 1);
+    if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
+    MemoryTracker& mem = *current_rank_context().memory;
+    const std::int64_t at_rest = mem.current(MemoryCategory::parameter);
+    auto [x, y] = Batch(0, env.rank * 12, 12);
+    if (absl::Status s = autograd::try_backward(model.loss(x, y)); !s.ok()) return s;  // records the order
+    Unit(model).set_reduce_scatter_divide_factor(0.0);
+    const absl::Status s = autograd::try_backward(model.loss(x, y));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "rank " << env.rank << ": " << s;
+    EXPECT_EQ(mem.current(MemoryCategory::communication_buffer), 0) << "rank " << env.rank << ": a gather in flight";
+    EXPECT_EQ(mem.current(MemoryCategory::parameter), at_rest) << "rank " << env.rank << ": parameters not at rest";
+    return absl::OkStatus();
+  }, {.timeout = absl::Seconds(5)});
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 // A prefetch list naming a unit of another root: accepted when set (documented: checked when the forward runs),
 // then the forward (or the backward, for a backward list) refuses it with InvalidArgument on every rank.
 TEST(FsdpMisuse, PrefetchOfAnotherRootsUnitIsRefusedWhenItRuns) {
