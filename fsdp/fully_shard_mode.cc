@@ -1,12 +1,16 @@
 #include "fsdp/fully_shard_mode.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <set>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/capture/param_slots.h"
+#include "fsdp/same_values.h"
 
 namespace shardkit::fsdp {
 namespace {
@@ -198,6 +202,34 @@ absl::Status FullyShardMode::expand(StepGraph& graph) {
       if (absl::StartsWith(slot.name, "param.") && slot.value.defined() && !slot.value.requires_grad()) {
         targets.push_back({n.writes[0], nullptr});
       }
+    }
+  }
+
+  // Note [same values on every rank] (fsdp/same_values.cc): before anything is sharded, every rank must hold the
+  // same values of what it shards and of what it leaves whole. The parameters in the order the step first reads them.
+  if (world > 1) {
+    std::set<SlotId> is_target;
+    for (const Target& t : targets) is_target.insert(t.param);
+    std::vector<std::uint64_t> hashes;
+    std::vector<std::pair<std::string, bool>> checked;  // (name, sharded)
+    for (const Node& n : nodes) {
+      if (n.kind != NodeKind::input || n.writes.size() != 1) continue;
+      const capture::Slot& slot = graph.slot(n.writes[0]);
+      if (!absl::StartsWith(slot.name, "param.") || !slot.value.defined() || slot.value.storage_released()) continue;
+      hashes.push_back(value_hash(slot.value));
+      checked.emplace_back(slot.name.substr(std::string_view("param.").size()), is_target.count(n.writes[0]) > 0);
+    }
+    absl::StatusOr<std::vector<ValueMismatch>> differ =
+        compare_values(hashes, {}, *group_, nullptr, group_->default_timeout());
+    if (!differ.ok()) return differ.status();
+    if (!differ->empty()) {
+      const ValueMismatch& m = differ->front();
+      const auto& [name, is_sharded] = checked[m.param];
+      return differing_value_error(
+          "parameter", name, m.rank, m.reference,
+          is_sharded ? "before sharding" : "(the fully-shard mode keeps it whole and never synchronises it)",
+          "the fully-shard mode shards it (or load the same values into every rank's model before the compiled "
+          "step's first call; Note [same values on every rank] in fsdp/same_values.cc)");
     }
   }
 

@@ -22,6 +22,14 @@
 // shards are the truth); unshard_parameters() writes them back whole (a collective), and before_capture() does so
 // before every recapture, so the step can run eagerly again.
 //
+// Every rank must build the same model (same seed, or load the same values) before the compiled step's first call,
+// as for fully_shard: expand() hashes each parameter the step reads while it is still whole and compares the hashes
+// across the group (one all_gather of 8 bytes per parameter, at every capture; a collective, as the step is), and
+// when a rank's values differ the capture fails on every rank with an InvalidArgument naming the first differing
+// parameter (in the order the step first reads them) and both ranks, e.g. "fsdp: parameter 'blocks.0.attn.qkv.weight'
+// on rank 1 differs from rank 0's before sharding: ...", and nothing is sharded (Note [same values on every rank] in
+// fsdp/same_values.cc). The optimizer's state tensors are sharded unchecked.
+//
 // Limits (each an InvalidArgument / Unimplemented from expand(), never a wrong answer): bf16/f16 parameters with
 // fp32 master weights are not sharded yet; a node that uses a full gradient between the backward and the update
 // (clip_grad_norm) is refused, since the gradient is reduce-scattered by then; a parameter must be read in forward through ops or views the graph

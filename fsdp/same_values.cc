@@ -56,8 +56,22 @@ namespace shardkit::fsdp {
 // mismatches found for them are dropped): building from any seed and loading a checkpoint before the first step
 // works, and so does a load after the error. A load by hand (summon_full_params, Module::load_state_dict, reshard)
 // is refused at the summon: build from the same seed, load before fully_shard, or use the loaders above.
-// Not covered: the compiled fully-shard mode (fsdp/fully_shard_mode.h) shards in its own expand(), not through
-// fully_shard; parameters left to an ancestor (leave_to_ancestor) that no ancestor took (whole, like ignored ones,
+// The compiled fully-shard mode (fsdp/fully_shard_mode.h) shards in its own expand(), not through fully_shard, and
+// checks there: expand() is where the mode takes each parameter whole (the graph's input value, the module's own
+// tensor) and cuts this rank's rows from it, and it runs on every rank at the capture (the first call of the
+// compiled step, and every recapture). It was local (no collective), so the check adds one: before anything is
+// sharded it hashes every parameter it shards (trainable and frozen) and every parameter it leaves whole (requires
+// grad, not the optimizer's: each rank's own values, like ignored_params here), compares them with compare_values
+// over the mode's group (one all_gather of 8 bytes per parameter plus 8, with the group's default timeout), and, when
+// any differs, fails the capture on every rank alike with differing_value_error, naming the first differing
+// parameter in the order the step first reads them, by its module name, with both ranks. Nothing is sharded then:
+// the module keeps its whole tensors. A recapture (after unshard_parameters, whose whole values come from one
+// all_gather and so agree) checks again, so values loaded by hand between captures are held to the rule too.
+// The check comes before the mode's own refusals (fp32 master weights, a full-gradient use), all of them the same
+// on every rank; a rank whose capture fails before expand() leaves the others' comparison to fail after the group's
+// timeout (DeadlineExceeded), as any collective of the step would. The mode has one group (no HSDP) and no ignored
+// parameters. The optimizer's state tensors the mode also shards are not compared.
+// Not covered: parameters left to an ancestor (leave_to_ancestor) that no ancestor took (whole, like ignored ones,
 // but named by no call's ignored_params).
 
 namespace {
@@ -168,11 +182,18 @@ absl::Status values_differ(nn::Module& top, const std::vector<FSDPState*>& state
     }
   }
   const bool ignored = which->ignored.defined();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "fsdp: ", ignored ? "ignored parameter '" : "parameter '", best->first, "' on rank ", which->rank,
-      " differs from rank ", which->reference, "'s ", ignored ? "(FSDP never synchronises ignored_params)" : "before sharding",
-      ": every rank must build the same model (same seed) before fully_shard (or load the same checkpoint with "
-      "fsdp::load_full_state_dict / load_sharded_state_dict; Note [same values on every rank] in fsdp/same_values.cc)"));
+  return differing_value_error(
+      ignored ? "ignored parameter" : "parameter", best->first, which->rank, which->reference,
+      ignored ? "(FSDP never synchronises ignored_params)" : "before sharding",
+      "fully_shard (or load the same checkpoint with fsdp::load_full_state_dict / load_sharded_state_dict; Note "
+      "[same values on every rank] in fsdp/same_values.cc)");
+}
+
+absl::Status differing_value_error(const std::string& what, const std::string& name, int rank, int reference,
+                                   const std::string& why, const std::string& before) {
+  return absl::InvalidArgumentError(absl::StrCat("fsdp: ", what, " '", name, "' on rank ", rank, " differs from rank ",
+                                                 reference, "'s ", why,
+                                                 ": every rank must build the same model (same seed) before ", before));
 }
 
 }  // namespace shardkit::fsdp

@@ -5,7 +5,9 @@
 // hashes of its unit, and its ignored parameters' values, across every rank of the unit's group (and of its
 // replicate group under HSDP) with compare_values, and keeps what differs in the unit's state; the first forward of
 // the root, summon_full_params and FSDPModule::unshard refuse to go on while anything differs (values_differ),
-// naming the parameter by its fully qualified name.
+// naming the parameter by its fully qualified name. The compiled fully-shard mode (fsdp/fully_shard_mode.h), which
+// shards in its own expand(), hashes and compares the parameters there with the same functions and fails the capture
+// with differing_value_error.
 //
 // Thread-safety: one rank's thread.
 #pragma once
@@ -37,6 +39,13 @@ std::uint64_t value_hash(const Tensor& whole);
 absl::StatusOr<std::vector<ValueMismatch>> compare_values(const std::vector<std::uint64_t>& hashes,
                                                           const std::vector<Tensor>& ignored, comm::ProcessGroup& group,
                                                           comm::ProcessGroup* replicate, absl::Duration timeout);
+
+// The InvalidArgument that names one differing parameter, the same text for every caller: "fsdp: <what> '<name>' on
+// rank <rank> differs from rank <reference>'s <why>: every rank must build the same model (same seed) before
+// <before>". `what` is e.g. "parameter" or "ignored parameter", `why` e.g. "before sharding", `before` what the
+// caller does with the values and how else to get the same ones (fully_shard's: "fully_shard (or load ...)").
+absl::Status differing_value_error(const std::string& what, const std::string& name, int rank, int reference,
+                                   const std::string& why, const std::string& before);
 
 // OK when no unit of `states` holds a mismatch; otherwise InvalidArgument for the first differing parameter in
 // top.named_parameters() order (its fully qualified name under `top`, a module holding every state), e.g. "fsdp:
