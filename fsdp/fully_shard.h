@@ -48,8 +48,9 @@
 //   * the first forward goes through the root (the outermost sharded module); a sharded module that runs inside
 //     the root's forward must be under the root;
 //   * every rank runs the same units in forward (parameters unused inside a unit are fine): units of other sizes
-//     fail on every rank ("ranks disagree on collective"), but two units of the same size on two ranks are NOT
-//     told apart (the all-gathers carry no unit identity; a skipped test in fsdp_misuse_test);
+//     fail on every rank ("ranks disagree on collective"), and so do two different units of the same size, by the
+//     unit's fingerprint each collective carries (Note [unit fingerprints] in param_group.cc) on the in-process,
+//     TCP and shared-memory backends; MPI and NCCL do not compare fingerprints, so there such units pair silently;
 //   * frozen parameters (requires_grad false) are sharded like the others, whether frozen before or after the
 //     call (as FSDP2): their shards carry requires_grad, get no gradient and no update while frozen, and may be
 //     unfrozen or frozen at rest between steps, the same on every rank. A reduce moves the gradients of the

@@ -212,6 +212,21 @@ void ParamGroup::register_shards() {
   }
 }
 
+// Note [unit fingerprints]
+// Collectives pair across ranks by kind, order and size only, so two units of one shard size pair silently when
+// ranks run different units in one forward (a branch taken on some ranks): rank 1's unit got rank 0's rows of
+// another, and no rank was told (tests/fsdp/fsdp_misuse_test.cc). So each collective of a unit carries a
+// fingerprint (process_group.h, THE CONTRACT): a hash of the unit's module's fully-qualified name under the root
+// and of the collective's purpose ("unshard", "reduce_scatter", ...), the same on every rank, different between
+// units; the backends that compare it (in-process, TCP, shared memory) then fail such a call on every rank with
+// InvalidArgument naming both fingerprints. The root names its units at its lazy initialisation (FSDPState::
+// lazy_init, the first forward); a collective before that (FSDPModule::unshard before any forward) carries none.
+// MPI and NCCL do not compare fingerprints: there such a breach still pairs silently.
+std::uint32_t ParamGroup::fingerprint(std::string_view purpose) const {
+  if (!identity_) return 0;
+  return comm::fingerprint_of(absl::StrCat("fsdp unit '", *identity_, "' ", std::string(purpose)));
+}
+
 // Note [kept after backward, stale after a step]
 // set_reshard_after_backward(false) keeps a unit's unsharded parameters after its backward so that the next forward
 // (an accumulation micro-batch) need not gather them again. But once the unit's gradients reach its shards (a
@@ -228,7 +243,9 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
   h.group_ = this;
   if (k_resharded_) {  // Note [reshard to a k-group]: gather within the k-group
     h.gathered_ = Tensor::empty({kshard_.numel() * k_}, options(MemoryCategory::communication_buffer));
-    h.works_.push_back(kgroup_->all_gather(h.gathered_, kshard_, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_)}));
+    h.works_.push_back(kgroup_->all_gather(h.gathered_, kshard_,
+                                           {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard (k-group) ", name_),
+                                            .fingerprint = fingerprint("unshard (k-group)")}));
     return h;
   }
   const DType dtype = exact ? DType::f32 : mp_.compute_dtype();
@@ -241,7 +258,9 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
     // param_dtype: the shard cast for the all-gather (its Work holds the cast until the peers have read it).
     const Tensor mine = shared == shard.numel() ? shard : shard.view(0, {shared});
     const Tensor send = dtype == DType::f32 ? mine : mine.to(dtype, MemoryCategory::communication_buffer);
-    h.works_.push_back(pg_->all_gather(h.gathered_, send, {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_)}));
+    h.works_.push_back(pg_->all_gather(h.gathered_, send,
+                                       {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_),
+                                        .fingerprint = fingerprint("unshard")}));
   }
   if (!h.own_) return h;
   full_.storage()->recategorize(MemoryCategory::communication_buffer);  // until waited for
@@ -250,7 +269,9 @@ absl::StatusOr<ParamGroup::UnshardHandle> ParamGroup::unshard_async(bool exact) 
     if (!p.own_collective) continue;
     h.works_.push_back(pg_->all_gather(full_.view(p.full_offset, {p.unsharded.numel()}),
                                        shard.view(p.shard_offset, {p.padded_numel()}),
-                                       {.timeout = timeout(), .tag = absl::StrCat("fsdp unshard ", name_, " ", p.names.front())}));
+                                       {.timeout = timeout(),
+                                        .tag = absl::StrCat("fsdp unshard ", name_, " ", p.names.front()),
+                                        .fingerprint = fingerprint(absl::StrCat("unshard ", p.names.front()))}));
   }
   return h;
 }
@@ -436,19 +457,22 @@ absl::Status ParamGroup::start_reduce_grads(std::optional<double> divide_factor,
   if (l.shared > 0) {
     const Tensor out = l.shared == l.total ? pending.out : pending.out.view(0, {l.shared});
     pending.works.push_back(pg_->reduce_scatter(out, flat, {.op = op, .timeout = timeout(),
-                                                            .tag = absl::StrCat("fsdp reduce_scatter ", name_)}));
+                                                            .tag = absl::StrCat("fsdp reduce_scatter ", name_),
+                                                            .fingerprint = fingerprint("reduce_scatter")}));
   }
   for (const auto& [p, g] : own_inputs) {
     pending.works.push_back(pg_->reduce_scatter(
         pending.out.view(l.offsets[static_cast<std::size_t>(p - params_.data())], {p->padded_numel()}),
         g.view(0, {g.numel()}),
-        {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_, " ", p->names.front())}));
+        {.op = op, .timeout = timeout(), .tag = absl::StrCat("fsdp reduce_scatter ", name_, " ", p->names.front()),
+         .fingerprint = fingerprint(absl::StrCat("reduce_scatter ", p->names.front()))}));
   }
   pending.used = comm::flags_tensor(had_grad, device_, rd);
   if (world > 1) {
     const std::string tag = absl::StrCat("fsdp used parameters ", name_);
     pending.works.push_back(
-        pg_->all_reduce(pending.used, {.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = tag}));
+        pg_->all_reduce(pending.used, {.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = tag,
+                                       .fingerprint = fingerprint("used parameters")}));
   }
   pending_reduce_ = std::move(pending);
   return absl::OkStatus();
@@ -508,7 +532,8 @@ absl::Status ParamGroup::finish_reduce_grads() {
     if (replicate_->size() > 1) {  // the flags over the replicas too
       const Tensor flags = comm::flags_tensor(used, device_, DType::f32);
       const std::string tag = absl::StrCat("fsdp used parameters (replicas) ", name_);
-      const comm::AllReduceOptions o{.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = tag};
+      const comm::AllReduceOptions o{.op = comm::ReduceOp::max(), .timeout = timeout(), .tag = tag,
+                                     .fingerprint = fingerprint("used parameters (replicas)")};
       if (absl::Status st = replicate_->all_reduce(flags, o)->wait(); !st.ok()) {
         return st;
       }
@@ -516,7 +541,8 @@ absl::Status ParamGroup::finish_reduce_grads() {
     }
     const comm::ReduceOp op = pending.divide_factor ? comm::ReduceOp::sum() : comm::ReduceOp::avg();
     if (absl::Status st = replicate_->all_reduce(out, {.op = op, .timeout = timeout(),
-                                                       .tag = absl::StrCat("fsdp all_reduce (replicas) ", name_)})
+                                                       .tag = absl::StrCat("fsdp all_reduce (replicas) ", name_),
+                                                       .fingerprint = fingerprint("all_reduce (replicas)")})
                               ->wait();
         !st.ok()) {
       return st;

@@ -29,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -126,6 +127,11 @@ class ParamGroup {
   // construction (empty over a group of one rank without a replicate group); handed over once, to fully_shard.
   std::vector<std::uint64_t> take_value_hashes() { return std::move(value_hashes_); }
 
+  // Note [unit fingerprints] in param_group.cc: names the unit by its module's fully-qualified name under the root
+  // (the same on every rank); its collectives then carry fingerprints of it. Before this, they carry none.
+  void set_identity(std::string fqn) { identity_ = std::move(fqn); }
+  const std::optional<std::string>& identity() const { return identity_; }
+
   const std::string& name() const { return name_; }
   const std::vector<FSDPParam>& params() const { return params_; }
   std::int64_t shard_numel() const { return shard_.numel(); }  // S, padding included
@@ -150,7 +156,11 @@ class ParamGroup {
   // The shard buffer where the collectives read it: itself, or (cpu offload) a copy on the parameters' device.
   Tensor shard_on_device() const;
 
+  // Note [unit fingerprints]: the fingerprint of this unit's collective for `purpose`, or 0 before set_identity.
+  std::uint32_t fingerprint(std::string_view purpose) const;
+
   std::string name_;
+  std::optional<std::string> identity_;  // Note [unit fingerprints]
   std::vector<FSDPParam> params_;
   std::vector<std::uint64_t> value_hashes_;  // Note [same values on every rank] in same_values.cc
   std::shared_ptr<comm::ProcessGroup> pg_;

@@ -78,6 +78,7 @@ struct P2PEntry {
   Tensor tensor;
   std::shared_ptr<CompletionWork> work;
   std::string what;  // for error messages
+  std::uint32_t fingerprint = 0;  // the call's (process_group.h, THE CONTRACT)
 };
 
 struct GroupState {
@@ -287,7 +288,7 @@ absl::Status InProcessGroup::validate_locked() const {
   const CollectiveCall& a = *g_->desc[0].call;
   for (int r = 1; r < g_->n; ++r) {
     const CollectiveCall& b = *g_->desc[r].call;
-    bool same = a.kind == b.kind && a.seq == b.seq && a.root == b.root;
+    bool same = a.kind == b.kind && a.seq == b.seq && a.root == b.root && a.fingerprint == b.fingerprint;
     if (same && a.kind != CollectiveKind::barrier) {
       same = a.input.dtype() == b.input.dtype() && a.input.numel() == b.input.numel() &&
              a.output.numel() == b.output.numel();
@@ -602,17 +603,23 @@ std::shared_ptr<Work> InProcessGroup::run_p2p(CollectiveCall call) {
       return work;
     }
     auto& mine = is_send ? g_->sends[idx] : g_->recvs[idx];
-    mine.push_back(P2PEntry{call.input, work, what});
+    mine.push_back(P2PEntry{call.input, work, what, call.fingerprint});
     return work;
   }
   P2PEntry peer_entry = std::move(other.front());
   other.pop_front();
   const Tensor& send_t = is_send ? call.input : peer_entry.tensor;
   const Tensor& recv_t = is_send ? peer_entry.tensor : call.input;
-  if (send_t.dtype() != recv_t.dtype() || send_t.numel() != recv_t.numel()) {
+  const std::uint32_t send_fp = is_send ? call.fingerprint : peer_entry.fingerprint;
+  const std::uint32_t recv_fp = is_send ? peer_entry.fingerprint : call.fingerprint;
+  if (send_t.dtype() != recv_t.dtype() || send_t.numel() != recv_t.numel() || send_fp != recv_fp) {
+    const auto with_fp = [](const Tensor& t, std::uint32_t fp) {
+      return fp == 0 ? t.describe() : absl::StrCat(t.describe(), " (fingerprint ", fingerprint_str(fp), ")");
+    };
     absl::Status st = absl::InvalidArgumentError(
         absl::StrCat("send from ", g_->rank_str(src), " to ", g_->rank_str(dst), " on group '", g_->name,
-                     "': expected the recv to match ", send_t.describe(), ", found ", recv_t.describe()));
+                     "': expected the recv to match ", with_fp(send_t, send_fp), ", found ",
+                     with_fp(recv_t, recv_fp)));
     world_->fail_locked(st);
     peer_entry.work->complete(st);
     work->complete(st);

@@ -35,6 +35,19 @@ bool overlaps(const ByteRange& a, const ByteRange& b) {
 
 }  // namespace
 
+std::string fingerprint_str(std::uint32_t fingerprint) {
+  return absl::StrCat("0x", absl::Hex(fingerprint, absl::kZeroPad8));
+}
+
+std::uint32_t fingerprint_of(std::string_view text) {
+  std::uint32_t h = 2166136261u;
+  for (const char c : text) {
+    h ^= static_cast<std::uint8_t>(c);
+    h *= 16777619u;
+  }
+  return h == 0 ? 1 : h;
+}
+
 std::shared_ptr<Work> make_completed_work(absl::Status status) { return std::make_shared<DoneWork>(std::move(status)); }
 
 std::string_view reduce_kind_name(ReduceKind k) {
@@ -57,22 +70,26 @@ std::string CollectiveCall::describe() const {
   std::string s = std::string(collective_kind_name(kind));
   if (kind != CollectiveKind::send && kind != CollectiveKind::recv) absl::StrAppend(&s, " #", seq);
   if (!tag.empty()) absl::StrAppend(&s, " '", tag, "'");
+  std::string detail;  // what goes between the parentheses
   switch (kind) {
     case CollectiveKind::barrier: break;
     case CollectiveKind::all_gather:
     case CollectiveKind::reduce_scatter:
-      absl::StrAppend(&s, " (in ", tensor_str(input), ", out ", tensor_str(output));
-      if (kind == CollectiveKind::reduce_scatter) absl::StrAppend(&s, ", ", op.to_string());
-      absl::StrAppend(&s, ")");
+      absl::StrAppend(&detail, "in ", tensor_str(input), ", out ", tensor_str(output));
+      if (kind == CollectiveKind::reduce_scatter) absl::StrAppend(&detail, ", ", op.to_string());
       break;
-    case CollectiveKind::all_reduce: absl::StrAppend(&s, " (", tensor_str(input), ", ", op.to_string(), ")"); break;
+    case CollectiveKind::all_reduce: absl::StrAppend(&detail, tensor_str(input), ", ", op.to_string()); break;
     case CollectiveKind::reduce:
-      absl::StrAppend(&s, " (", tensor_str(input), ", ", op.to_string(), ", root ", root, ")");
+      absl::StrAppend(&detail, tensor_str(input), ", ", op.to_string(), ", root ", root);
       break;
-    case CollectiveKind::broadcast: absl::StrAppend(&s, " (", tensor_str(input), ", root ", root, ")"); break;
-    case CollectiveKind::send: absl::StrAppend(&s, " (", tensor_str(input), " to rank ", peer, ")"); break;
-    case CollectiveKind::recv: absl::StrAppend(&s, " (", tensor_str(input), " from rank ", peer, ")"); break;
+    case CollectiveKind::broadcast: absl::StrAppend(&detail, tensor_str(input), ", root ", root); break;
+    case CollectiveKind::send: absl::StrAppend(&detail, tensor_str(input), " to rank ", peer); break;
+    case CollectiveKind::recv: absl::StrAppend(&detail, tensor_str(input), " from rank ", peer); break;
   }
+  if (fingerprint != 0) {
+    absl::StrAppend(&detail, detail.empty() ? "" : ", ", "fingerprint ", fingerprint_str(fingerprint));
+  }
+  if (!detail.empty()) absl::StrAppend(&s, " (", detail, ")");
   return s;
 }
 
@@ -234,6 +251,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, const Broadc
   c.root = options.root;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 
@@ -244,6 +262,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& tensor, const AllRe
   c.op = options.op;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 
@@ -255,6 +274,7 @@ std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& tensor, const ReduceOpt
   c.op = options.op;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 
@@ -266,6 +286,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& output, const Tenso
   c.output = output;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 
@@ -278,6 +299,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& output, const T
   c.op = options.op;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 
@@ -286,6 +308,7 @@ std::shared_ptr<Work> ProcessGroup::barrier(const BarrierOptions& options) {
   c.kind = CollectiveKind::barrier;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 
@@ -296,6 +319,7 @@ std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, const P2
   c.peer = dst;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 
@@ -306,6 +330,7 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& tensor, int src, const P2
   c.peer = src;
   c.timeout = options.timeout.value_or(default_timeout_);
   c.tag = options.tag;
+  c.fingerprint = options.fingerprint;
   return issue(std::move(c), -1);
 }
 

@@ -8,6 +8,12 @@
 //   * Every rank of the group issues the same collectives, in the same order, with matching arguments
 //     (same kind, dtype, numel, root, op). Sends and recvs between a pair of ranks are matched in the
 //     order they are issued (the k-th send from a to b pairs with the k-th recv at b from a).
+//   * Every rank passes the same `fingerprint` (options) for a call: a caller's name for what the call is (e.g. a
+//     hash of "which unit, which purpose"), so that calls that match in kind and size but not in meaning fail
+//     instead of pairing silently. 0 means none, and is a value like any other: 0 on one rank and 7 on another
+//     disagree. The in-process, TCP and shared-memory backends compare it (a disagreement is InvalidArgument naming
+//     both fingerprints, below); the MPI and NCCL backends do not (no call header travels with their calls), so
+//     there a caller that breaks this gets no error.
 //   * A rank's collectives on one group are issued from one thread at a time (the order must be
 //     well defined). Different groups (e.g. sub-groups) may be used from different threads.
 //   * Tensors passed to a call must stay alive and must not be read (outputs) or written (inputs) by the
@@ -42,6 +48,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -99,24 +106,33 @@ struct ReduceOp {
   std::string to_string() const;
 };
 
+// "0x0000002a": a fingerprint (options below) as error messages print it.
+std::string fingerprint_str(std::uint32_t fingerprint);
+// A fingerprint naming `text` (32-bit FNV-1a; never 0, which means none): the same on every rank for the same text.
+std::uint32_t fingerprint_of(std::string_view text);
+
 // ---- options -----------------------------------------------------------------------------------
 // Every options struct has:
 //   timeout: the call's own deadline, counted from when it is issued on this rank; empty = the group's
 //            default (ProcessGroup::default_timeout()). When it passes before the call completes, the
 //            call fails with DeadlineExceeded naming the ranks that had not joined, and the group aborts.
 //   tag:     a free-form label quoted in error messages and logs (e.g. "grad bucket 3"); no semantics.
+//   fingerprint: a value every rank must pass alike for the call (THE CONTRACT above); 0 = none. Compared by the
+//            in-process, TCP and shared-memory backends, not by MPI or NCCL.
 // Designated initializers read well: pg.all_reduce(t, {.op = ReduceOp::avg(), .tag = "grads"}).
 
 struct BroadcastOptions {
   int root = 0;
   std::optional<absl::Duration> timeout = std::nullopt;
   std::string tag = {};
+  std::uint32_t fingerprint = 0;
 };
 
 struct AllReduceOptions {
   ReduceOp op = ReduceOp::sum();
   std::optional<absl::Duration> timeout = std::nullopt;
   std::string tag = {};
+  std::uint32_t fingerprint = 0;
 };
 
 struct ReduceOptions {
@@ -124,27 +140,32 @@ struct ReduceOptions {
   ReduceOp op = ReduceOp::sum();
   std::optional<absl::Duration> timeout = std::nullopt;
   std::string tag = {};
+  std::uint32_t fingerprint = 0;
 };
 
 struct AllGatherOptions {
   std::optional<absl::Duration> timeout = std::nullopt;
   std::string tag = {};
+  std::uint32_t fingerprint = 0;
 };
 
 struct ReduceScatterOptions {
   ReduceOp op = ReduceOp::sum();
   std::optional<absl::Duration> timeout = std::nullopt;
   std::string tag = {};
+  std::uint32_t fingerprint = 0;
 };
 
 struct BarrierOptions {
   std::optional<absl::Duration> timeout = std::nullopt;
   std::string tag = {};
+  std::uint32_t fingerprint = 0;
 };
 
 struct P2POptions {
   std::optional<absl::Duration> timeout = std::nullopt;
   std::string tag = {};
+  std::uint32_t fingerprint = 0;
 };
 
 // Options for creating a sub-group (split / new_group).
@@ -181,9 +202,11 @@ struct CollectiveCall {
   absl::Duration timeout;  // resolved (never empty)
   absl::Time deadline;     // issue time + timeout
   std::string tag;
+  std::uint32_t fingerprint = 0;  // options' fingerprint (THE CONTRACT); 0 = none
   std::int64_t seq = 0;    // index of this call among this handle's collectives (p2p not counted)
 
-  // "all_reduce #12 'grads' (f32[1000], sum)" for error messages.
+  // "all_reduce #12 'grads' (f32[1000], sum)" for error messages; ", fingerprint 0x0000002a" before the closing
+  // parenthesis when the fingerprint is not 0.
   std::string describe() const;
 };
 
