@@ -73,8 +73,10 @@ struct CallDesc {
   std::int64_t seq = 0;
   std::int64_t numel = 0;  // per rank
   double factor = 0;
+  std::uint32_t fingerprint = 0;  // the options' (THE CONTRACT in process_group.h)
+  std::uint32_t pad2 = 0;
 };
-static_assert(sizeof(CallDesc) == 32);
+static_assert(sizeof(CallDesc) == 40);
 
 bool same_call(const CallDesc& a, const CallDesc& b) { return std::memcmp(&a, &b, sizeof(CallDesc)) == 0; }
 
@@ -101,19 +103,23 @@ CallDesc describe_call(const CollectiveCall& c) {
   d.seq = c.seq;
   d.numel = per_rank_numel(c);
   d.factor = reduces(c.kind) && c.op.kind == ReduceKind::premul_sum ? c.op.factor : 0;
+  d.fingerprint = c.fingerprint;
   return d;
 }
 
 std::string describe_desc(const CallDesc& d) {
   const auto kind = static_cast<CollectiveKind>(d.kind);
   std::string s = absl::StrCat(std::string(collective_kind_name(kind)), " #", d.seq);
-  if (kind == CollectiveKind::barrier) return s;
+  if (kind == CollectiveKind::barrier) {
+    return d.fingerprint == 0 ? s : absl::StrCat(s, " (fingerprint ", fingerprint_str(d.fingerprint), ")");
+  }
   absl::StrAppend(&s, " (", std::string(dtype_name(static_cast<DType>(d.dtype))), "[", d.numel, "] per rank");
   if (reduces(kind)) {
     absl::StrAppend(&s, ", ", std::string(reduce_kind_name(static_cast<ReduceKind>(d.op))));
     if (static_cast<ReduceKind>(d.op) == ReduceKind::premul_sum) absl::StrAppend(&s, "(", d.factor, ")");
   }
   if (kind == CollectiveKind::broadcast || kind == CollectiveKind::reduce) absl::StrAppend(&s, ", root ", d.root);
+  if (d.fingerprint != 0) absl::StrAppend(&s, ", fingerprint ", fingerprint_str(d.fingerprint));
   return absl::StrCat(s, ")");
 }
 

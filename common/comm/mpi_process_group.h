@@ -11,8 +11,8 @@
 // operations (MPI_Iallreduce, MPI_Ireduce_scatter_block, ...) and keeps the current operation of every group
 // progressing, so calls return at once, Work completes in the background, and groups do not wait for each other.
 //
-// Checks: before each collective the ranks exchange a 32-byte description of the call (kind, dtype, per-rank
-// numel, root, op, sequence number); ranks that disagree fail with InvalidArgument naming both calls, instead of
+// Checks: before each collective the ranks exchange a 40-byte description of the call (kind, dtype, per-rank
+// numel, root, op, sequence number, the options' fingerprint); ranks that disagree fail with InvalidArgument naming both calls, instead of
 // handing MPI mismatched buffers (which MPI does not detect). A recv whose message has another size fails with
 // InvalidArgument. Tensors must be CPU tensors with at most 2^31 - 1 elements per rank (MPI's int counts).
 //

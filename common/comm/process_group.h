@@ -11,9 +11,10 @@
 //   * Every rank passes the same `fingerprint` (options) for a call: a caller's name for what the call is (e.g. a
 //     hash of "which unit, which purpose"), so that calls that match in kind and size but not in meaning fail
 //     instead of pairing silently. 0 means none, and is a value like any other: 0 on one rank and 7 on another
-//     disagree. The in-process, TCP and shared-memory backends compare it (a disagreement is InvalidArgument naming
-//     both fingerprints, below); the MPI and NCCL backends do not (no call header travels with their calls), so
-//     there a caller that breaks this gets no error.
+//     disagree. The in-process, TCP and shared-memory backends compare it, and so does MPI's with
+//     MpiOptions::verify_calls (the default): a disagreement is InvalidArgument naming both fingerprints (below).
+//     The NCCL backend does not (no description travels with its calls), so there a caller that breaks this gets
+//     no error.
 //   * A rank's collectives on one group are issued from one thread at a time (the order must be
 //     well defined). Different groups (e.g. sub-groups) may be used from different threads.
 //   * Tensors passed to a call must stay alive and must not be read (outputs) or written (inputs) by the
@@ -118,7 +119,7 @@ std::uint32_t fingerprint_of(std::string_view text);
 //            call fails with DeadlineExceeded naming the ranks that had not joined, and the group aborts.
 //   tag:     a free-form label quoted in error messages and logs (e.g. "grad bucket 3"); no semantics.
 //   fingerprint: a value every rank must pass alike for the call (THE CONTRACT above); 0 = none. Compared by the
-//            in-process, TCP and shared-memory backends, not by MPI or NCCL.
+//            in-process, TCP, shared-memory and MPI (verify_calls) backends, not by NCCL.
 // Designated initializers read well: pg.all_reduce(t, {.op = ReduceOp::avg(), .tag = "grads"}).
 
 struct BroadcastOptions {
@@ -258,6 +259,10 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // Fails this rank's pending and later calls on this group (and tells the other ranks, whose pending
   // and later calls fail with `reason`, see Note [group failure]). Idempotent; the first reason wins.
   virtual void abort(const absl::Status& reason) = 0;
+
+  // How many collectives (not point-to-point calls) this handle has issued: the sequence number its next one gets.
+  // The same on every rank between the same two calls (THE CONTRACT), e.g. to name something made between calls.
+  std::int64_t collectives_issued() const { return next_seq_; }
 
   // ---- counters (comm_counters.h) ----
   CommCounters counters() const;

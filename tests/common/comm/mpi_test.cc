@@ -71,6 +71,21 @@ TEST(MpiFaults, RanksThatDisagreeFailOnEveryRankNamingBothCalls) {
   }
 }
 
+// Calls that match in kind and size but not in fingerprint (THE CONTRACT in process_group.h): every rank fails
+// naming both, as for a size mismatch.
+TEST(MpiFaults, RanksThatPassOtherFingerprintsFailOnEveryRankNamingBoth) {
+  RunResult r = mpirun(3, "fingerprint");
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  const auto errors = lines_with(r.out, "ERROR");
+  ASSERT_EQ(errors.size(), 3u) << r.out << r.err;
+  for (const std::string& e : errors) {
+    EXPECT_THAT(e, HasSubstr("INVALID_ARGUMENT"));
+    EXPECT_THAT(e, HasSubstr("ranks disagree: rank 0 issued all_reduce #0 (f32[10] per rank, sum, fingerprint "
+                             "0x00000007), rank 1 issued all_reduce #0 (f32[10] per rank, sum, fingerprint "
+                             "0x00000009)"));
+  }
+}
+
 TEST(MpiFaults, AnAbortReachesEveryRankWithItsReason) {
   RunResult r = mpirun(3, "abort");
   ASSERT_FALSE(r.timed_out) << r.out << r.err;

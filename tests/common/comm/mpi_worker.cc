@@ -5,6 +5,8 @@
 //                        all_reduce / reduce_scatter bitwise equal to the in-process arithmetic; prints
 //                        "MPI MATRIX OK"
 //   mpi_worker disagree  rank 0 all-reduces 10 elements, the others 11; prints "ERROR: <status>"
+//   mpi_worker fingerprint  every rank all-reduces 10 elements, rank 0 with fingerprint 7, the others 9; prints
+//                        "ERROR: <status>"
 //   mpi_worker abort     rank n-1 aborts the world while the others wait in an all_reduce; prints
 //                        "ERROR <ms> ms: <status>" (rank n-1: "ABORTED")
 //   mpi_worker late FILE (2 ranks) rank 0 prints "FIRST <status>" and "SECOND <status>": two calls that failed at
@@ -167,6 +169,15 @@ int main(int argc, char** argv) {
   if (mode == "disagree") {
     Tensor t = Tensor::full({r == 0 ? 10 : 11}, 1.0, {});
     absl::Status st = pg.all_reduce(t)->wait();
+    if (st.ok()) {
+      std::printf("NO ERROR\n");
+      return 0;
+    }
+    return report_and_meet(st, start);
+  }
+  if (mode == "fingerprint") {
+    Tensor t = Tensor::full({10}, 1.0, {});
+    absl::Status st = pg.all_reduce(t, {.fingerprint = r == 0 ? 7u : 9u})->wait();
     if (st.ok()) {
       std::printf("NO ERROR\n");
       return 0;
