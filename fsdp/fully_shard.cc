@@ -134,10 +134,15 @@ absl::StatusOr<FSDPModule> shard_module(nn::Module& module, std::shared_ptr<comm
   std::unique_ptr<ParamGroup> pg;
   const std::shared_ptr<comm::ProcessGroup> replicate_group = replicate;  // (moved into the ParamGroup below)
   if (!params->empty()) {
+    // Note [unit fingerprints] in param_group.cc: where this call stands among its groups' collectives.
+    const std::string identity =
+        absl::StrCat("#", group->collectives_issued(),
+                     replicate != nullptr ? absl::StrCat("/", replicate->collectives_issued()) : std::string());
     pg = std::make_unique<ParamGroup>(absl::StrCat(module.type_name(), " '", params->front().names.front(), "'..."),
                                       std::move(*params), group, std::move(replicate), options.timeout,
                                       options.mp_policy, options.own_collective_min_numel,
                                       options.offload_policy.cpu);
+    pg->set_identity(identity);
   }
   if (pg != nullptr && reshard_group > 0) {
     if (absl::Status s = pg->enable_group_reshard(reshard_group); !s.ok()) return s;  // collective (a split)

@@ -216,12 +216,18 @@ void ParamGroup::register_shards() {
 // Collectives pair across ranks by kind, order and size only, so two units of one shard size pair silently when
 // ranks run different units in one forward (a branch taken on some ranks): rank 1's unit got rank 0's rows of
 // another, and no rank was told (tests/fsdp/fsdp_misuse_test.cc). So each collective of a unit carries a
-// fingerprint (process_group.h, THE CONTRACT): a hash of the unit's module's fully-qualified name under the root
-// and of the collective's purpose ("unshard", "reduce_scatter", ...), the same on every rank, different between
-// units; the backends that compare it (in-process, TCP, shared memory) then fail such a call on every rank with
-// InvalidArgument naming both fingerprints. The root names its units at its lazy initialisation (FSDPState::
-// lazy_init, the first forward); a collective before that (FSDPModule::unshard before any forward) carries none.
-// MPI and NCCL do not compare fingerprints: there such a breach still pairs silently.
+// fingerprint (process_group.h, THE CONTRACT): a hash of the unit's identity and of the collective's purpose
+// ("unshard", "reduce_scatter", ...), the same on every rank, different between units; the backends that compare
+// it (in-process, TCP, shared memory, MPI) then fail such a call on every rank with InvalidArgument naming both
+// fingerprints. The identity is where the unit's fully_shard call stood among its groups' collectives
+// (ProcessGroup::collectives_issued() of the shard group, and of the replicate group under HSDP, when the call
+// began): every rank makes the same fully_shard calls between the same collectives, and each call issues at least
+// one (the values' comparison, Note [same values on every rank] in same_values.cc), so the identity is the same
+// on every rank and another for each unit, across roots too (a first version named units by their path under
+// their root, and every root was "": two independent models of one size run in another order on each rank paired
+// silently; FsdpFingerprintTwoRoots in fsdp_same_values_combo_test.cc). It is set when the unit is made, so its
+// collectives carry it from the first (FSDPModule::unshard before any forward included). NCCL does not compare
+// fingerprints: there such a breach still pairs silently.
 std::uint32_t ParamGroup::fingerprint(std::string_view purpose) const {
   if (!identity_) return 0;
   return comm::fingerprint_of(absl::StrCat("fsdp unit '", *identity_, "' ", std::string(purpose)));

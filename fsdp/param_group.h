@@ -127,9 +127,9 @@ class ParamGroup {
   // construction (empty over a group of one rank without a replicate group); handed over once, to fully_shard.
   std::vector<std::uint64_t> take_value_hashes() { return std::move(value_hashes_); }
 
-  // Note [unit fingerprints] in param_group.cc: names the unit by its module's fully-qualified name under the root
-  // (the same on every rank); its collectives then carry fingerprints of it. Before this, they carry none.
-  void set_identity(std::string fqn) { identity_ = std::move(fqn); }
+  // Note [unit fingerprints] in param_group.cc: names the unit (the same name on every rank, another for every unit
+  // of its group); its collectives then carry fingerprints of it. Before this, they carry none.
+  void set_identity(std::string identity) { identity_ = std::move(identity); }
   const std::optional<std::string>& identity() const { return identity_; }
 
   const std::string& name() const { return name_; }

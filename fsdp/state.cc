@@ -168,10 +168,6 @@ void FSDPState::lazy_init() {
   }
   ctx_->states.push_back(this);
   ctx_->is_last_backward = pending_is_last_backward_;
-  // Note [unit fingerprints] in param_group.cc: each unit's collectives carry its name under this root from now on.
-  for (const auto& [name, m] : module_->named_modules()) {
-    if (FSDPState* s = state_attached(*m); s != nullptr && s->params_ != nullptr) s->params_->set_identity(name);
-  }
 }
 
 void FSDPState::require_state(TrainingState wanted, const char* call) const {
