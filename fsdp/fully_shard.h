@@ -50,7 +50,7 @@
 //   * every rank runs the same units in forward (parameters unused inside a unit are fine): units of other sizes
 //     fail on every rank ("ranks disagree on collective"), and so do two different units of the same size, by the
 //     unit's fingerprint each collective carries (Note [unit fingerprints] in param_group.cc) on the in-process,
-//     TCP and shared-memory backends; MPI and NCCL do not compare fingerprints, so there such units pair silently;
+//     TCP, shared-memory and MPI backends; NCCL does not compare fingerprints, so there such units pair silently;
 //   * frozen parameters (requires_grad false) are sharded like the others, whether frozen before or after the
 //     call (as FSDP2): their shards carry requires_grad, get no gradient and no update while frozen, and may be
 //     unfrozen or frozen at rest between steps, the same on every rank. A reduce moves the gradients of the
