@@ -21,6 +21,7 @@
 #include "fsdp/fully_shard.h"
 #include "fsdp/fully_shard_mode.h"
 #include "gtest/gtest.h"
+#include "tests/fsdp/eager_fsdp_reference.h"
 #include "tests/fsdp/fsdp_test_util.h"
 #include "tests/testing/checkpoint_gpt.h"
 #include "tests/testing/gpt_tiny_data.h"
@@ -52,19 +53,8 @@ TEST_P(FullyShardModeCheckpoint, CompiledCheckpointedStepsTrainAsOnOneRank) {
   absl::Status st = comm::RunRanks(world, [&](comm::RankEnv& env) -> absl::Status {
     const int rows = kBatch / env.world_size;
     const auto r = static_cast<std::size_t>(env.rank);
-    {
-      nn::GPT model(TinyConfig(), 1);
-      if (absl::Status s = test_util::ShardGpt(model, env); !s.ok()) return s;
-      optim::AdamW opt(model.parameters());
-      for (int step = 0; step < kSteps; ++step) {
-        auto [x, y] = Batch(step, env.rank * rows, rows);
-        opt.zero_grad();
-        Tensor loss = model.loss(x, y);
-        if (absl::Status s = autograd::try_backward(loss); !s.ok()) return s;
-        if (absl::Status s = opt.step(); !s.ok()) return s;
-        eager_losses[r].push_back(static_cast<float>(loss.item()));
-      }
-      if (absl::Status s = test_util::StoreFullValues(model, eager_values, env.rank); !s.ok()) return s;
+    if (absl::Status s = test_util::RunEagerFsdp(env, TinyConfig(), kSteps, eager_losses[r], eager_values); !s.ok()) {
+      return s;
     }
     nn::GPT model(TinyConfig(), 1);
     if (absl::Status s = Checkpoint(model, what); !s.ok()) return s;
