@@ -130,7 +130,6 @@ class ParamGroup {
   // Note [unit fingerprints] in param_group.cc: names the unit (the same name on every rank, another for every unit
   // of its group); its collectives then carry fingerprints of it. Before this, they carry none.
   void set_identity(std::string identity) { identity_ = std::move(identity); }
-  const std::optional<std::string>& identity() const { return identity_; }
 
   const std::string& name() const { return name_; }
   const std::vector<FSDPParam>& params() const { return params_; }
